@@ -1,0 +1,185 @@
+"""Every touch point of keras_dist on Keras internals lives in this module.
+
+Keras 3's TensorFlow trainer (`keras/src/backend/tensorflow/trainer.py`) has
+bugs that break distributed training; the fixes below replace the affected
+pieces for `DistributedModel` only, without patching Keras globally:
+
+1. `_maybe_symbolic_build` reduces the first batch with
+   `strategy.reduce("MEAN", <nest>)`, which `MultiWorkerMirroredStrategy`
+   rejects ("Attempt to convert a value (PerReplica...) to a Tensor").
+   Only shapes are needed, so replica 0's local batch is used instead.
+2. `reduce_per_replica` reduces scalar logs with `axis=0` under
+   `MultiWorkerMirroredStrategy` ("Invalid reduction dimension 0").
+   Logs are reduced with `axis=None`.
+3. The `steps_per_execution > 1` loop fails with more than one replica
+   ("You must feed a value for placeholder tensor", keras-team/keras#19246).
+   The loop below takes the first step unconditionally and the following
+   ones through `get_next_as_optional` inside an autograph `for` loop.
+
+Tested against the Keras versions in `TESTED_KERAS_VERSIONS`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import tensorflow as tf
+from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+from keras.src.losses import loss as keras_loss
+
+TESTED_KERAS_VERSIONS = ("3.15",)
+
+if not keras.__version__.startswith(TESTED_KERAS_VERSIONS):  # pragma: no cover
+    warnings.warn(
+        f"keras_dist is tested with Keras {', '.join(TESTED_KERAS_VERSIONS)}; "
+        f"found Keras {keras.__version__}. Distributed training may misbehave.",
+        stacklevel=2,
+    )
+
+
+def is_multi_worker(strategy: tf.distribute.Strategy) -> bool:
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and strategy.extended._in_multi_worker_mode()
+
+
+def first_replica_batch(strategy: tf.distribute.Strategy, batch):
+    """Replica 0's part of a distributed batch (enough for shapes)."""
+
+    def local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    return tf.nest.map_structure(local, batch)
+
+
+def symbolic_build(model, iterator=None, data_batch=None) -> None:
+    """`TensorFlowTrainer._maybe_symbolic_build` without the reduce (fix 1)."""
+    strategy = model._distribute_strategy
+    if strategy is None:
+        return
+    if iterator is not None:
+        for _, _, it in iterator:
+            data_batch = first_replica_batch(strategy, next(it))
+            break
+    with strategy.scope():
+        model._symbolic_build(data_batch=data_batch)
+
+
+def reduce_per_replica(values, strategy, reduction: str):
+    """Keras' `reduce_per_replica` with scalar-safe multi-worker means (fix 2)."""
+    if reduction in ("auto", "mean") and is_multi_worker(strategy):
+        return tf.nest.map_structure(
+            lambda v: strategy.reduce("MEAN", v, axis=None), values
+        )
+    return keras_tf_trainer.reduce_per_replica(values, strategy, reduction)
+
+
+def make_function(model, step_function):
+    """Builds a train/test function; a replacement for `_make_function`."""
+    strategy = model.distribute_strategy
+    steps_per_execution = int(model.steps_per_execution)
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        outputs = strategy.run(step_function, args=(data,))
+        return reduce_per_replica(outputs, strategy, "auto")
+
+    # Inside the multi-step loop the step is inlined: a nested tf.function
+    # called from a loop branch under MirroredStrategy loses its captured
+    # inputs ("You must feed a value for placeholder tensor").
+    inline_step = model._autoconvert_optionals(one_step_on_data)
+    if not model.run_eagerly:
+        one_step_on_data = tf.function(
+            one_step_on_data,
+            reduce_retracing=True,
+            jit_compile=model.jit_compile,
+        )
+    one_step_on_data = model._autoconvert_optionals(one_step_on_data)
+
+    def multi_step_on_iterator(iterator):
+        # Fix 3: the first step raises OutOfRangeError at the end of the data
+        # (Keras turns it into StopIteration); later steps stop quietly.
+        outputs = inline_step(next(iterator))
+        for _ in tf.range(steps_per_execution - 1):
+            optional = iterator.get_next_as_optional()
+            if not optional.has_value():
+                break
+            outputs = inline_step(optional.get_value())
+        return outputs
+
+    if steps_per_execution == 1:
+
+        def multi_step_on_iterator(iterator):  # noqa: F811
+            return one_step_on_data(next(iterator))
+
+    if not model.run_eagerly:
+        multi_step_on_iterator = tf.function(
+            multi_step_on_iterator, reduce_retracing=True
+        )
+
+    def function(iterator):
+        if isinstance(
+            iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
+        ):
+            return multi_step_on_iterator(iterator)
+        outputs = None
+        for _, data in zip(range(steps_per_execution), iterator):
+            outputs = one_step_on_data(data)
+        return outputs
+
+    return function
+
+
+def iter_sublayers(model):
+    """Every layer nested in `model`, at any depth."""
+    return model._flatten_layers(include_self=False, recursive=True)
+
+
+def train_step(model, data):
+    """Keras' TF `train_step`, exact for uneven splits across replicas.
+
+    Keras scales each replica's mean loss by 1/N. When a batch is split
+    unevenly (the last, partial batch of an epoch), that is not the global
+    mean: replica r's loss is rescaled by n_r * N / n, so the summed gradient
+    equals the gradient one device computes on the whole batch.
+    """
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    factor = None
+    strategy = tf.distribute.get_strategy()
+    context = tf.distribute.get_replica_context()
+    if strategy.num_replicas_in_sync > 1 and context is not None:
+        local = tf.cast(
+            tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0],
+            tf.float32,
+        )
+        total = context.all_reduce("SUM", local)
+        factor = tf.math.divide_no_nan(
+            local * float(strategy.num_replicas_in_sync), total
+        )
+    with tf.GradientTape() as tape:
+        if model._call_has_training_arg:
+            y_pred = model(x, training=True)
+        else:
+            y_pred = model(x)
+        loss = model._compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+        )
+        model._loss_tracker.update_state(
+            keras_loss.unscale_loss_for_distribution(loss),
+            sample_weight=tf.shape(
+                next(t for t in tf.nest.flatten(x) if t is not None)
+            )[0],
+        )
+        if factor is not None:
+            loss = loss * tf.cast(factor, loss.dtype)
+        if model.optimizer is not None:
+            loss = model.optimizer.scale_loss(loss)
+    if model.trainable_weights:
+        gradients = tape.gradient(loss, model.trainable_weights)
+        model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
+    else:
+        warnings.warn("The model does not have any trainable weights.")
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

@@ -1,0 +1,605 @@
+"""`DistributedModel`: a `keras.Model` that trains correctly on any strategy."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import tempfile
+import warnings
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras.src.models.functional import Functional
+from keras.src.models.model import functional_init_arguments
+
+from keras_dist import _data
+from keras_dist import _keras_compat
+from keras_dist.strategy import StrategySpec
+from keras_dist.strategy import resolve_strategy
+from keras_dist.strategy import worker_info
+
+_DEFAULT_STRATEGY = tf.distribute.get_strategy()
+
+
+def _scope(strategy: tf.distribute.Strategy):
+    """The strategy's scope, unless one is already open."""
+    if strategy is _DEFAULT_STRATEGY or tf.distribute.has_strategy():
+        return contextlib.nullcontext()
+    return strategy.scope()
+
+
+@keras.saving.register_keras_serializable(package="keras_dist")
+class DistributedModel(keras.Model):
+    """A `keras.Model` whose variables, inputs and steps follow a strategy.
+
+    Use it where you would use `keras.Model`: as a base class for a
+    subclassed model (with your own `call` and, optionally, `train_step` /
+    `test_step`), or functionally as `DistributedModel(inputs, outputs)`.
+    To convert an existing model, see `keras_dist.distribute`. You never open
+    `strategy.scope()`: variables, the optimizer and metrics are created on
+    the strategy, `fit`/`evaluate`/`predict` distribute and shard their input,
+    and the Keras 3 bugs that break multi-worker training,
+    `steps_per_execution > 1` with several replicas and per-replica
+    `BatchNormalization` statistics are fixed.
+
+    `batch_size` in `fit`/`evaluate`/`predict` is the global batch, which
+    must split evenly over the replicas; `per_replica_batch_size=` sets it
+    per replica instead. A last, partial batch may split unevenly: the
+    built-in `train_step` reweights each replica's loss so that the update is
+    the one a single device makes on that batch.
+
+    Args:
+        strategy: What to train on: `"auto"` (default), `"mirrored"`,
+            `"multi_worker"`, `"tpu"`, `"default"` or a
+            `tf.distribute.Strategy`; see `keras_dist.resolve_strategy`.
+        sync_batch_norm: Boolean, default True. Synchronizes every
+            `BatchNormalization` layer across replicas (global-batch
+            statistics, identical moving statistics on every replica).
+        **kwargs: Passed to `keras.Model` (e.g. `inputs`, `outputs`, `name`).
+
+    Example:
+
+    >>> import keras, keras_dist
+    >>> inputs = keras.Input((4,))
+    >>> outputs = keras.layers.Dense(1)(inputs)
+    >>> model = keras_dist.DistributedModel(inputs, outputs, strategy="default")
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> model.distribute_strategy.num_replicas_in_sync
+    1
+
+    Raises:
+        TypeError / ValueError: for an invalid `strategy` or
+            `sync_batch_norm`, and in `fit`/`evaluate`/`predict` for batch
+            sizes that do not fit the replicas.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        # `strategy` is a runtime choice, not part of the architecture: keep
+        # it out of the config Keras records for serialization.
+        kwargs.pop("strategy", None)
+        if cls is DistributedModel and functional_init_arguments(args, kwargs):
+            return keras.Model.__new__(DistributedFunctional, *args, **kwargs)
+        obj = super().__new__(cls, *args, **kwargs)
+        build = obj.build
+
+        @functools.wraps(build)
+        def build_in_scope(*a, **k):
+            with _scope(obj._kd_strategy):
+                return build(*a, **k)
+
+        obj.build = build_in_scope
+        return obj
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None or getattr(init, "_kd_wrapped", False):
+            return
+
+        # A subclass may create weights in its own `__init__`: run it under
+        # the scope of the strategy it asks for.
+        @functools.wraps(init)
+        def __init__(self, *args, **kw):
+            with _scope(resolve_strategy(kw.get("strategy", "auto"))):
+                init(self, *args, **kw)
+
+        __init__._kd_wrapped = True
+        cls.__init__ = __init__
+
+    def __init__(
+        self,
+        *args,
+        strategy: StrategySpec = "auto",
+        sync_batch_norm: bool = True,
+        **kwargs,
+    ):
+        if not isinstance(sync_batch_norm, bool):
+            raise TypeError(
+                "Invalid type for argument `sync_batch_norm`. Expected True "
+                f"or False. Received: sync_batch_norm={sync_batch_norm!r}."
+            )
+        resolved = resolve_strategy(strategy)
+        if functional_init_arguments(args, kwargs) and not isinstance(
+            self, Functional
+        ):
+            raise TypeError(
+                f"{type(self).__name__} subclasses DistributedModel and was "
+                "called with `inputs` and `outputs`. Build functional models "
+                "with keras_dist.DistributedModel(inputs, outputs) or convert "
+                "one with keras_dist.distribute(model)."
+            )
+        if functional_init_arguments(args, kwargs):
+            args, kwargs = _functional_on_strategy(resolved, args, kwargs)
+        with _scope(resolved):
+            super().__init__(*args, **kwargs)
+        self._kd_strategy = resolved
+        self._kd_sync_batch_norm = sync_batch_norm
+        self._distribute_strategy = (
+            None if resolved is _DEFAULT_STRATEGY else resolved
+        )
+
+    # -- strategy-aware plumbing -------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        with _scope(self._kd_strategy):
+            return super().__call__(*args, **kwargs)
+
+    def _kd_prepare_layers(self) -> None:
+        if not self._kd_sync_batch_norm:
+            return
+        if self._kd_strategy.num_replicas_in_sync < 2:
+            return
+        for layer in _keras_compat.iter_sublayers(self):
+            if isinstance(layer, keras.layers.BatchNormalization):
+                layer.synchronized = True
+
+    def _kd_adopt(self, obj):
+        """Re-creates a Keras object whose variables live off the strategy."""
+        strategy = self._kd_strategy
+        if isinstance(obj, keras.optimizers.Optimizer):
+            if getattr(obj, "_distribution_strategy", strategy) is strategy:
+                return obj
+            if obj.built:
+                warnings.warn(
+                    f"The optimizer passed to compile() was created outside "
+                    f"the model's strategy ({type(strategy).__name__}) and "
+                    "has state; keras_dist re-creates it from its config on "
+                    "the strategy and its state (iterations, slots) starts "
+                    "fresh.",
+                    stacklevel=3,
+                )
+            return type(obj).from_config(obj.get_config())
+        if isinstance(obj, keras.metrics.Metric):
+            if strategy is _DEFAULT_STRATEGY or all(
+                isinstance(getattr(v, "value", v), tf.distribute.DistributedValues)
+                for v in obj.variables
+            ):
+                return obj
+            return type(obj).from_config(obj.get_config())
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._kd_adopt(o) for o in obj)
+        if isinstance(obj, dict):
+            return {k: self._kd_adopt(v) for k, v in obj.items()}
+        return obj
+
+    def compile(
+        self,
+        optimizer="rmsprop",
+        loss=None,
+        loss_weights=None,
+        metrics=None,
+        weighted_metrics=None,
+        run_eagerly=False,
+        steps_per_execution=1,
+        jit_compile="auto",
+        auto_scale_loss=True,
+    ):
+        with _scope(self._kd_strategy):
+            if isinstance(optimizer, str):
+                optimizer = keras.optimizers.get(optimizer)
+            super().compile(
+                optimizer=self._kd_adopt(optimizer),
+                loss=loss,
+                loss_weights=loss_weights,
+                metrics=self._kd_adopt(metrics),
+                weighted_metrics=self._kd_adopt(weighted_metrics),
+                run_eagerly=run_eagerly,
+                steps_per_execution=steps_per_execution,
+                jit_compile=jit_compile,
+                auto_scale_loss=auto_scale_loss,
+            )
+        self._kd_prepare_layers()
+
+    def train_step(self, data):
+        return _keras_compat.train_step(self, data)
+
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        self._kd_prepare_layers()
+        self.train_function = _keras_compat.make_function(self, self.train_step)
+        return self.train_function
+
+    def make_test_function(self, force=False):
+        if self.test_function is not None and not force:
+            return self.test_function
+        self._kd_prepare_layers()
+        self.test_function = _keras_compat.make_function(self, self.test_step)
+        return self.test_function
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        _keras_compat.symbolic_build(self, iterator=iterator, data_batch=data_batch)
+
+    # -- fit / evaluate / predict ------------------------------------------
+
+    def fit(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        epochs=1,
+        verbose="auto",
+        callbacks=None,
+        validation_split=0.0,
+        validation_data=None,
+        shuffle=True,
+        class_weight=None,
+        sample_weight=None,
+        initial_epoch=0,
+        steps_per_epoch=None,
+        validation_steps=None,
+        validation_batch_size=None,
+        validation_freq=1,
+        *,
+        per_replica_batch_size: int | None = None,
+    ):
+        """`keras.Model.fit`, plus `per_replica_batch_size=` (keyword-only).
+
+        `batch_size` is the global batch. Under multi-worker training every
+        worker must call `fit` with the same arguments; each keeps its own
+        share of every global batch.
+        """
+        strategy = self._kd_strategy
+        batch_size = _data.global_batch_size(
+            strategy, x, batch_size, per_replica_batch_size
+        )
+        if validation_batch_size is not None:
+            _data.global_batch_size(
+                strategy, x, validation_batch_size, None, "validation_batch_size"
+            )
+        if validation_split and validation_data is None and _data._is_array_structure(x):
+            (x, y, sample_weight), validation_data = _split(
+                (x, y, sample_weight), validation_split
+            )
+            validation_split = 0.0
+        dataset = _data.shardable_arrays(
+            strategy, x, y, sample_weight, batch_size, shuffle
+        )
+        if dataset is not None:
+            x, y, sample_weight, batch_size = dataset, None, None, None
+        if validation_data is not None:
+            validation_data = self._kd_eval_dataset(
+                validation_data, validation_batch_size or batch_size or 32
+            )
+        with _scope(strategy):
+            return super().fit(
+                x=x,
+                y=y,
+                batch_size=batch_size,
+                epochs=epochs,
+                verbose=verbose,
+                callbacks=callbacks,
+                validation_split=validation_split,
+                validation_data=validation_data,
+                shuffle=shuffle,
+                class_weight=class_weight,
+                sample_weight=sample_weight,
+                initial_epoch=initial_epoch,
+                steps_per_epoch=steps_per_epoch,
+                validation_steps=validation_steps,
+                validation_batch_size=None if dataset is not None else validation_batch_size,
+                validation_freq=validation_freq,
+            )
+
+    def _kd_eval_dataset(self, data, batch_size):
+        if not _keras_compat.is_multi_worker(self._kd_strategy):
+            return data
+        if not isinstance(data, (tuple, list)):
+            return data
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(tuple(data))
+        dataset = _data.shardable_arrays(
+            self._kd_strategy, x, y, sample_weight, batch_size, False
+        )
+        return data if dataset is None else dataset
+
+    def evaluate(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        verbose="auto",
+        sample_weight=None,
+        steps=None,
+        callbacks=None,
+        return_dict=False,
+        *,
+        per_replica_batch_size: int | None = None,
+        **kwargs,
+    ):
+        """`keras.Model.evaluate`, plus `per_replica_batch_size=`."""
+        strategy = self._kd_strategy
+        if not kwargs.get("_use_cached_eval_dataset", False):
+            batch_size = _data.global_batch_size(
+                strategy, x, batch_size, per_replica_batch_size
+            )
+            dataset = _data.shardable_arrays(
+                strategy, x, y, sample_weight, batch_size, False
+            )
+            if dataset is not None:
+                x, y, sample_weight, batch_size = dataset, None, None, None
+        with _scope(strategy):
+            return super().evaluate(
+                x=x,
+                y=y,
+                batch_size=batch_size,
+                verbose=verbose,
+                sample_weight=sample_weight,
+                steps=steps,
+                callbacks=callbacks,
+                return_dict=return_dict,
+                **kwargs,
+            )
+
+    def predict(
+        self,
+        x,
+        batch_size=None,
+        verbose="auto",
+        steps=None,
+        callbacks=None,
+        *,
+        per_replica_batch_size: int | None = None,
+    ):
+        """`keras.Model.predict`, plus `per_replica_batch_size=`.
+
+        Predictions come back in input order, on every worker.
+        """
+        strategy = self._kd_strategy
+        batch_size = _data.global_batch_size(
+            strategy, x, batch_size, per_replica_batch_size
+        )
+        dataset = _data.shardable_arrays(strategy, x, None, None, batch_size, False)
+        if dataset is not None:
+            x, batch_size = dataset, None
+        with _scope(strategy):
+            return super().predict(
+                x,
+                batch_size=batch_size,
+                verbose=verbose,
+                steps=steps,
+                callbacks=callbacks,
+            )
+
+    # -- saving ------------------------------------------------------------
+
+    def _kd_chief_only(self, write, filepath):
+        """Every worker writes (collectives stay aligned); only the chief keeps."""
+        if worker_info(self._kd_strategy).is_chief:
+            return write(filepath)
+        scratch = tempfile.mkdtemp(prefix="keras_dist_worker_")
+        try:
+            return write(os.path.join(scratch, os.path.basename(str(filepath))))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
+        """`keras.Model.save`; under multi-worker only the chief's file is kept."""
+        return self._kd_chief_only(
+            lambda path: super(DistributedModel, self).save(
+                path, overwrite=overwrite, zipped=zipped, **kwargs
+            ),
+            filepath,
+        )
+
+    def save_weights(self, filepath, overwrite=True, max_shard_size=None):
+        """`keras.Model.save_weights`; only the chief's file is kept."""
+        return self._kd_chief_only(
+            lambda path: super(DistributedModel, self).save_weights(
+                path, overwrite=overwrite, max_shard_size=max_shard_size
+            ),
+            filepath,
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config.pop("strategy", None)
+        if not self._kd_sync_batch_norm:
+            config["sync_batch_norm"] = False
+        return config
+
+
+def _off_strategy(variables, strategy) -> bool:
+    """Whether any variable was created outside `strategy`'s scope."""
+    if strategy is _DEFAULT_STRATEGY:
+        return False
+    return any(
+        not isinstance(getattr(v, "value", v), tf.distribute.DistributedValues)
+        for v in variables
+    )
+
+
+def _functional_on_strategy(strategy, args, kwargs):
+    """Re-creates a functional graph's layers on `strategy` if needed.
+
+    Layers called on `keras.Input` tensors create their weights at once,
+    usually before any scope is open. Such a graph is cloned under the
+    strategy's scope, with the same initial weights.
+    """
+    kwargs = dict(kwargs)
+    inputs = kwargs.pop("inputs") if "inputs" in kwargs else args[0]
+    if "outputs" in kwargs:
+        outputs = kwargs.pop("outputs")
+    else:
+        outputs = args[1] if len(args) > 1 else args[0]
+    graph = keras.Model(inputs=inputs, outputs=outputs)
+    if _off_strategy(graph.weights, strategy):
+        with _scope(strategy):
+            clone = keras.models.clone_model(graph)
+            clone.set_weights(graph.get_weights())
+        inputs, outputs = clone.inputs, clone.outputs
+    return (), dict(kwargs, inputs=inputs, outputs=outputs)
+
+
+def _split(arrays, validation_split):
+    """Keras' `validation_split`: the last fraction of the samples."""
+    n = int(tf.nest.flatten(arrays[0])[0].shape[0])
+    split_at = int(n * (1.0 - validation_split))
+
+    def head(t):
+        return None if t is None else t[:split_at]
+
+    def tail(t):
+        return None if t is None else t[split_at:]
+
+    train = tuple(tf.nest.map_structure(head, a) if a is not None else None for a in arrays)
+    val = tuple(tf.nest.map_structure(tail, a) if a is not None else None for a in arrays)
+    if val[2] is None:
+        val = val[:2]
+    return train, val
+
+
+@keras.saving.register_keras_serializable(package="keras_dist")
+class DistributedFunctional(DistributedModel, Functional):
+    """What `DistributedModel(inputs, outputs)` builds."""
+
+    def get_config(self) -> dict[str, Any]:
+        config = Functional.get_config(self)
+        if not self._kd_sync_batch_norm:
+            config["sync_batch_norm"] = False
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        sync = config.pop("sync_batch_norm", True)
+        model = Functional.from_config.__func__(cls, config, custom_objects)
+        model._kd_sync_batch_norm = sync
+        return model
+
+
+@keras.saving.register_keras_serializable(package="keras_dist")
+class DistributedWrapper(DistributedModel):
+    """What `distribute()` returns for a model that is not functional."""
+
+    def __init__(self, model, **kwargs):
+        super().__init__(**kwargs)
+        self.wrapped_model = model
+
+    def call(self, *args, **kwargs):
+        return self.wrapped_model(*args, **kwargs)
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "model": keras.saving.serialize_keras_object(self.wrapped_model),
+            "sync_batch_norm": self._kd_sync_batch_norm,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(
+            config.pop("model"), custom_objects=custom_objects
+        )
+        return cls(model, **config)
+
+
+def distribute(
+    model: keras.Model,
+    strategy: StrategySpec = "auto",
+    *,
+    sync_batch_norm: bool = True,
+) -> DistributedModel:
+    """Returns a `DistributedModel` copy of `model` living on `strategy`.
+
+    Works for Sequential, functional and subclassed models, built or not. The
+    copy is made under the strategy's scope (its variables are mirrored or
+    replicated as the strategy wants) and gets the original's weights; a
+    compiled model comes back compiled the same way, with its optimizer
+    state. The original model is left untouched.
+
+    Args:
+        model: A `keras.Model`.
+        strategy: See `keras_dist.resolve_strategy`; default `"auto"`.
+        sync_batch_norm: Boolean, default True; see `DistributedModel`.
+
+    Returns:
+        A `DistributedModel`.
+
+    Example:
+
+    >>> import keras, keras_dist
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    >>> dist = keras_dist.distribute(model, strategy="default")
+    >>> [w.shape for w in dist.get_weights()]
+    [(3, 2), (2,)]
+
+    Raises:
+        TypeError: if `model` is not a `keras.Model`.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "Invalid type for argument `model`. Expected a keras.Model. "
+            f"Received: model={model!r} of type {type(model).__name__}."
+        )
+    resolved = resolve_strategy(strategy)
+    with _scope(resolved):
+        clone = keras.models.clone_model(model)
+        if model.built and not clone.built:
+            clone.build_from_config(model.get_build_config())
+        if model.built:
+            clone.set_weights(model.get_weights())
+        functional = isinstance(clone, Functional) or (
+            isinstance(clone, keras.Sequential) and clone.built
+            and getattr(clone, "_functional", None) is not None
+        )
+        if functional:
+            result = DistributedModel(
+                clone.inputs,
+                clone.outputs,
+                name=model.name,
+                strategy=resolved,
+                sync_batch_norm=sync_batch_norm,
+            )
+        else:
+            result = DistributedWrapper(
+                clone,
+                name=model.name,
+                strategy=resolved,
+                sync_batch_norm=sync_batch_norm,
+            )
+        if getattr(model, "compiled", False) and model.get_compile_config():
+            result.compile_from_config(model.get_compile_config())
+            _copy_optimizer_state(model, result)
+    return result
+
+
+def _copy_optimizer_state(source: keras.Model, target: keras.Model) -> None:
+    old = source.optimizer
+    if old is None or not old.built or target.optimizer is None:
+        return
+    target.optimizer.build(target.trainable_variables)
+    new_vars = target.optimizer.variables
+    if len(new_vars) != len(old.variables):
+        warnings.warn(
+            "Could not carry the optimizer state over to the distributed "
+            f"model ({len(old.variables)} vs {len(new_vars)} variables); "
+            "it starts fresh.",
+            stacklevel=3,
+        )
+        return
+    for new, value in zip(new_vars, old.variables):
+        new.assign(value)

@@ -1,0 +1,316 @@
+"""Picking, creating and describing the `tf.distribute.Strategy` to train on.
+
+`resolve_strategy` is the single place where keras_dist turns a user's request
+("auto", "mirrored", a ready strategy, ...) into a strategy object. It caches
+what it creates, so the same request returns the same object for the whole
+process, and it gives every `MirroredStrategy` over a new device set its own
+collective key range, so that strategies with different replica counts can
+live in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Literal, Union
+
+import tensorflow as tf
+
+from keras_dist import _tf_config
+
+StrategySpec = Union[
+    Literal["auto", "mirrored", "multi_worker", "tpu", "default"],
+    tf.distribute.Strategy,
+]
+
+_SPECS = ("auto", "mirrored", "multi_worker", "tpu", "default")
+_TPU_ENV_HINTS = ("TPU_NAME", "COLAB_TPU_ADDR", "KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS")
+# Collective group keys of the strategies keras_dist creates start at
+# `_KEY_STRIDE * k` (k >= 1), away from TF's default range that starts at 1.
+_KEY_STRIDE = 100_000
+
+_lock = threading.RLock()
+_cache: dict[tuple, tf.distribute.Strategy] = {}
+_mirrored_key_bases: dict[tuple, int] = {}
+
+
+def simulate_replicas(num_replicas: int) -> int:
+    """Splits the host CPU into `num_replicas` logical devices.
+
+    With it a laptop or a CI runner trains on real replicas: `"auto"`
+    resolves to a `MirroredStrategy` over the logical CPUs, and collectives
+    run as they would across GPUs. It must run before TensorFlow initializes
+    its devices (before the first op, model or strategy); calling it again
+    with the same count is harmless.
+
+    Args:
+        num_replicas: Positive integer, the number of logical CPUs to create.
+
+    Returns:
+        The number of logical CPU devices now configured.
+
+    Example:
+
+    >>> import keras_dist
+    >>> keras_dist.simulate_replicas(2)  # doctest: +SKIP
+    2
+
+    Raises:
+        TypeError: if `num_replicas` is not an integer.
+        ValueError: if `num_replicas < 1`.
+        RuntimeError: if TensorFlow has already initialized its devices with
+            another configuration.
+    """
+    if not isinstance(num_replicas, int) or isinstance(num_replicas, bool):
+        raise TypeError(
+            "Invalid type for argument `num_replicas`. Expected a positive "
+            f"integer. Received: num_replicas={num_replicas!r} of type "
+            f"{type(num_replicas).__name__}."
+        )
+    if num_replicas < 1:
+        raise ValueError(
+            "Invalid value for argument `num_replicas`. Expected a positive "
+            f"integer. Received: num_replicas={num_replicas}. Use 1 for a "
+            "single device, 2 or more to simulate replicas."
+        )
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if current is not None and len(current) == num_replicas:
+        return num_replicas
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * num_replicas
+        )
+    except RuntimeError as e:
+        have = len(current) if current else 1
+        raise RuntimeError(
+            f"simulate_replicas({num_replicas}) was called after TensorFlow "
+            f"initialized its devices (it has {have} CPU device(s) now). "
+            "Call keras_dist.simulate_replicas() at the very top of your "
+            "program, before creating any tensor, model or strategy. "
+            f"TensorFlow said: {e}"
+        ) from None
+    return num_replicas
+
+
+def resolve_strategy(spec: StrategySpec = "auto") -> tf.distribute.Strategy:
+    """Returns the `tf.distribute.Strategy` that a request names.
+
+    `"auto"` picks, in order: the strategy whose scope is open; a
+    `TPUStrategy` when a TPU is reachable (`TPU_NAME` or a TPU VM); a
+    `MultiWorkerMirroredStrategy` when `TF_CONFIG` lists more than one task or
+    the Slurm job step has several tasks; a `MirroredStrategy` when there are
+    2+ GPUs, or 2+ logical CPUs (see `simulate_replicas`); else the default
+    strategy. Explicit names force one kind. The same request returns the
+    same object for the whole process.
+
+    Args:
+        spec: One of `"auto"` (default), `"mirrored"`, `"multi_worker"`,
+            `"tpu"`, `"default"`, or a ready `tf.distribute.Strategy` (which is
+            returned as is).
+
+    Returns:
+        A `tf.distribute.Strategy`.
+
+    Example:
+
+    >>> import keras_dist
+    >>> strategy = keras_dist.resolve_strategy("default")
+    >>> strategy.num_replicas_in_sync
+    1
+
+    Raises:
+        TypeError: if `spec` is neither a string nor a strategy.
+        ValueError: for an unknown name, or a malformed `TF_CONFIG`.
+        RuntimeError: if `"tpu"` is requested and no TPU can be reached.
+    """
+    if isinstance(spec, tf.distribute.Strategy):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(
+            "Invalid type for argument `strategy`. Expected one of "
+            f"{_SPECS} or a tf.distribute.Strategy. Received: "
+            f"strategy={spec!r} of type {type(spec).__name__}."
+        )
+    if spec not in _SPECS:
+        raise ValueError(
+            "Invalid value for argument `strategy`. Expected one of "
+            f"{_SPECS} or a tf.distribute.Strategy. Received: "
+            f"strategy={spec!r}."
+        )
+    with _lock:
+        if spec == "auto":
+            return _resolve_auto()
+        if spec == "default":
+            return _default_strategy()
+        if spec == "multi_worker":
+            return _multi_worker()
+        if spec == "tpu":
+            strategy = _tpu(required=True)
+            return strategy
+        return _mirrored(_local_devices())
+
+
+def _default_strategy() -> tf.distribute.Strategy:
+    # The default strategy is a process-wide singleton; read it from a thread
+    # where no other strategy's scope is open.
+    if not tf.distribute.has_strategy():
+        return tf.distribute.get_strategy()
+    result = []
+    thread = threading.Thread(
+        target=lambda: result.append(tf.distribute.get_strategy())
+    )
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def _resolve_auto() -> tf.distribute.Strategy:
+    if tf.distribute.has_strategy():
+        return tf.distribute.get_strategy()
+    # Decide from the environment first: MultiWorkerMirroredStrategy must be
+    # created before TensorFlow initializes its runtime.
+    cluster = _tf_config.parse_tf_config()
+    if any(os.environ.get(name) for name in _TPU_ENV_HINTS) or (
+        os.path.exists("/dev/accel0") and cluster is None
+    ):
+        strategy = _tpu(required=False)
+        if strategy is not None:
+            return strategy
+    if cluster is not None and cluster.num_workers > 1:
+        return _multi_worker()
+    if cluster is None and _tf_config.slurm_num_tasks() > 1:
+        return _multi_worker()
+    devices = _local_devices()
+    if len(devices) > 1:
+        return _mirrored(devices)
+    return tf.distribute.get_strategy()
+
+
+def _local_devices() -> tuple[str, ...]:
+    """GPUs if any, else the logical CPUs, without initializing TF."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        logical = tf.config.list_logical_devices("GPU")
+        return tuple(d.name for d in logical)
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    configured = tf.config.get_logical_device_configuration(cpu)
+    count = len(configured) if configured else 1
+    return tuple(f"/device:CPU:{i}" for i in range(count))
+
+
+def _mirrored(devices: tuple[str, ...]) -> tf.distribute.Strategy:
+    key = ("mirrored", devices)
+    if key not in _cache:
+        # TF starts the collective group keys of every MirroredStrategy at 1,
+        # so two strategies over different device sets collide in one
+        # process. Give each device set its own key range.
+        base = _mirrored_key_bases.setdefault(
+            devices, _KEY_STRIDE * (len(_mirrored_key_bases) + 1)
+        )
+        strategy = tf.distribute.MirroredStrategy.__new__(
+            tf.distribute.MirroredStrategy
+        )
+        strategy._collective_key_base = base
+        strategy.__init__(devices=list(devices))
+        _cache[key] = strategy
+    return _cache[key]
+
+
+def _multi_worker() -> tf.distribute.Strategy:
+    key = ("multi_worker",)
+    if key not in _cache:
+        cluster = _tf_config.parse_tf_config()
+        if cluster is None and _tf_config.slurm_num_tasks() > 1:
+            resolver = tf.distribute.cluster_resolver.SlurmClusterResolver()
+            _cache[key] = tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=resolver
+            )
+        else:
+            _cache[key] = tf.distribute.MultiWorkerMirroredStrategy()
+    return _cache[key]
+
+
+def _tpu(required: bool) -> tf.distribute.Strategy | None:
+    key = ("tpu",)
+    if key in _cache:
+        return _cache[key]
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(
+            tpu=os.environ.get("TPU_NAME", "")
+        )
+        tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+        strategy = tf.distribute.TPUStrategy(resolver)
+    except (ValueError, RuntimeError, tf.errors.OpError) as e:
+        if required:
+            raise RuntimeError(
+                'strategy="tpu" was requested but no TPU could be reached '
+                f"({type(e).__name__}: {e}). Set TPU_NAME to your TPU's name "
+                "or address, run on a TPU VM, or use strategy=\"auto\"."
+            ) from e
+        return None
+    _cache[key] = strategy
+    return strategy
+
+
+@dataclass(frozen=True)
+class _WorkerInfo:
+    num_workers: int
+    rank: int
+    is_chief: bool
+
+
+def worker_info(strategy: tf.distribute.Strategy) -> _WorkerInfo:
+    """This process's place among the workers of `strategy`."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and (
+        resolver is not None
+    ):
+        spec = resolver.cluster_spec().as_dict()
+        if not spec:
+            return _WorkerInfo(1, 0, True)
+        info = _tf_config.ClusterInfo(
+            cluster={k: list(v) if isinstance(v, list) else list(v.values()) for k, v in spec.items()},
+            task_type=resolver.task_type,
+            task_index=int(resolver.task_id),
+        )
+        return _WorkerInfo(info.num_workers, info.rank, info.is_chief)
+    if isinstance(strategy, tf.distribute.TPUStrategy):
+        hosts = getattr(strategy.extended, "num_hosts", 1)
+        return _WorkerInfo(hosts, 0, True)
+    return _WorkerInfo(1, 0, True)
+
+
+def describe(strategy: StrategySpec | None = None) -> str:
+    """One-line human summary of a strategy.
+
+    Says its kind, the replicas in sync, the number of workers, this
+    worker's rank and whether it is the chief, and the local devices.
+
+    Args:
+        strategy: A strategy or a spec for `resolve_strategy`; defaults to the
+            strategy in scope (the default strategy outside any scope).
+
+    Returns:
+        A string such as
+        `"MirroredStrategy: 2 replicas, 1 worker (rank 0, chief), devices CPU:0, CPU:1"`.
+
+    Example:
+
+    >>> import keras_dist
+    >>> keras_dist.describe("default")  # doctest: +ELLIPSIS
+    '_DefaultDistributionStrategy: 1 replica, 1 worker (rank 0, chief), devices ...'
+    """
+    strategy = tf.distribute.get_strategy() if strategy is None else resolve_strategy(strategy)
+    info = worker_info(strategy)
+    replicas = strategy.num_replicas_in_sync
+    devices = getattr(strategy.extended, "worker_devices", None) or ("CPU:0",)
+    short = ", ".join(d.split("device:")[-1] for d in devices)
+    return (
+        f"{type(strategy).__name__}: {replicas} replica{'s' if replicas != 1 else ''}, "
+        f"{info.num_workers} worker{'s' if info.num_workers != 1 else ''} "
+        f"(rank {info.rank}, {'chief' if info.is_chief else 'not chief'}), "
+        f"devices {short}"
+    )
