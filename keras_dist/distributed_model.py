@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import shutil
 import tempfile
@@ -106,6 +107,9 @@ class DistributedModel(keras.Model):
             with _scope(resolve_strategy(kw.get("strategy", "auto"))):
                 init(self, *args, **kw)
 
+        # Keras reads the signature (for auto-configs) without following
+        # `__wrapped__`: give the wrapper the original's signature.
+        __init__.__signature__ = inspect.signature(init)
         __init__._kd_wrapped = True
         cls.__init__ = __init__
 
@@ -133,6 +137,8 @@ class DistributedModel(keras.Model):
             )
         if functional_init_arguments(args, kwargs):
             args, kwargs = _functional_on_strategy(resolved, args, kwargs)
+        # Set before Keras' __init__, which may build (and so read it).
+        object.__setattr__(self, "_kd_strategy", resolved)
         with _scope(resolved):
             super().__init__(*args, **kwargs)
         self._kd_strategy = resolved
@@ -213,6 +219,19 @@ class DistributedModel(keras.Model):
             )
         self._kd_prepare_layers()
 
+    def build_from_config(self, config):
+        with _scope(self._kd_strategy):
+            super().build_from_config(config)
+
+    def compile_from_config(self, config):
+        # Keras skips this for models that override `compile`; ours keeps
+        # Keras' meaning, so compile as Keras would.
+        with _scope(self._kd_strategy):
+            config = keras.saving.deserialize_keras_object(config)
+            self.compile(**config)
+            if self.optimizer is not None and self.built:
+                self.optimizer.build(self.trainable_variables)
+
     def train_step(self, data):
         return _keras_compat.train_step(self, data)
 
@@ -279,7 +298,9 @@ class DistributedModel(keras.Model):
             strategy, x, y, sample_weight, batch_size, shuffle
         )
         if dataset is not None:
+            # Shuffled already, with the seed every worker agreed on.
             x, y, sample_weight, batch_size = dataset, None, None, None
+            shuffle = False
         if validation_data is not None:
             validation_data = self._kd_eval_dataset(
                 validation_data, validation_batch_size or batch_size or 32
@@ -498,8 +519,8 @@ class DistributedWrapper(DistributedModel):
         super().__init__(**kwargs)
         self.wrapped_model = model
 
-    def call(self, *args, **kwargs):
-        return self.wrapped_model(*args, **kwargs)
+    def call(self, inputs, training=None):
+        return self.wrapped_model(inputs, training=training)
 
     def get_config(self) -> dict[str, Any]:
         return {

@@ -283,6 +283,24 @@ def worker_info(strategy: tf.distribute.Strategy) -> _WorkerInfo:
     return _WorkerInfo(1, 0, True)
 
 
+def _local_default_device() -> str:
+    return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+
+
+def _public_name(strategy: tf.distribute.Strategy) -> str:
+    for cls in (
+        tf.distribute.MultiWorkerMirroredStrategy,
+        tf.distribute.TPUStrategy,
+        tf.distribute.MirroredStrategy,
+        tf.distribute.OneDeviceStrategy,
+    ):
+        if isinstance(strategy, cls):
+            return cls.__name__
+    if not tf.distribute.has_strategy() and strategy is tf.distribute.get_strategy():
+        return "DefaultStrategy"
+    return type(strategy).__name__
+
+
 def describe(strategy: StrategySpec | None = None) -> str:
     """One-line human summary of a strategy.
 
@@ -301,15 +319,18 @@ def describe(strategy: StrategySpec | None = None) -> str:
 
     >>> import keras_dist
     >>> keras_dist.describe("default")  # doctest: +ELLIPSIS
-    '_DefaultDistributionStrategy: 1 replica, 1 worker (rank 0, chief), devices ...'
+    'DefaultStrategy: 1 replica, 1 worker (rank 0, chief), devices ...'
     """
     strategy = tf.distribute.get_strategy() if strategy is None else resolve_strategy(strategy)
     info = worker_info(strategy)
     replicas = strategy.num_replicas_in_sync
-    devices = getattr(strategy.extended, "worker_devices", None) or ("CPU:0",)
+    try:
+        devices = tuple(strategy.extended.worker_devices)
+    except RuntimeError:  # the default strategy has no device list
+        devices = (_local_default_device(),)
     short = ", ".join(d.split("device:")[-1] for d in devices)
     return (
-        f"{type(strategy).__name__}: {replicas} replica{'s' if replicas != 1 else ''}, "
+        f"{_public_name(strategy)}: {replicas} replica{'s' if replicas != 1 else ''}, "
         f"{info.num_workers} worker{'s' if info.num_workers != 1 else ''} "
         f"(rank {info.rank}, {'chief' if info.is_chief else 'not chief'}), "
         f"devices {short}"

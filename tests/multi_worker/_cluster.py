@@ -1,0 +1,82 @@
+"""Runs one subprocess per worker, each with its own TF_CONFIG on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free loopback ports (all held open until all are chosen)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def run_workers(
+    script: str, args: list[str], num_workers: int = 2, timeout: float = 300
+) -> list[str]:
+    """Runs `script args` on `num_workers` workers; returns their outputs.
+
+    Raises AssertionError showing every worker's output when any worker
+    fails or the job times out.
+    """
+    ports = free_ports(num_workers)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    procs = []
+    for index in range(num_workers):
+        env = dict(os.environ)
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": cluster, "task": {"type": "worker", "index": index}}
+        )
+        env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+        env["PYTHONUNBUFFERED"] = "1"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, script, *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    outputs = [""] * num_workers
+    failed = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            if any(c not in (None, 0) for c in codes):
+                failed = "a worker exited with an error"
+                break
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                failed = f"timed out after {timeout}s"
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for i, p in enumerate(procs):
+            outputs[i] = p.communicate()[0]
+    if failed:
+        shown = "\n".join(
+            f"----- worker {i} (exit {p.returncode}) -----\n{out[-6000:]}"
+            for i, (p, out) in enumerate(zip(procs, outputs))
+        )
+        raise AssertionError(f"multi-worker job failed: {failed}\n{shown}")
+    return outputs

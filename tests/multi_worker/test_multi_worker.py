@@ -1,0 +1,72 @@
+"""Tier 2: real MultiWorkerMirroredStrategy jobs, one subprocess per worker."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from multi_worker._cluster import run_workers
+
+pytestmark = pytest.mark.multi_worker
+
+WORKER = os.path.join(os.path.dirname(__file__), "worker_main.py")
+TOL = 1e-5
+
+
+def single_device(out_dir, args):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    env.pop("TF_CONFIG", None)
+    done = subprocess.run(
+        [sys.executable, WORKER, *args[:1], str(out_dir), *args[1:]],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return np.load(os.path.join(out_dir, "rank0.npz"))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["opt=sgd", "bn=0", "spe=1", "input=numpy"],
+        ["opt=adam", "bn=1", "spe=4", "input=numpy"],
+        ["opt=adam", "bn=1", "spe=1", "input=dataset"],
+    ],
+    ids=["sgd", "adam-bn-spe4", "adam-bn-tfdata"],
+)
+def test_two_workers_match_one_device(tmp_path, options):
+    outputs = run_workers(WORKER, ["train", str(tmp_path / "mw"), *options])
+    assert "MultiWorkerMirroredStrategy: 2 replicas, 2 workers (rank 0, chief)" in outputs[0]
+    assert "(rank 1, not chief)" in outputs[1]
+    ref = single_device(tmp_path / "ref", ["train", *options])
+    for rank in (0, 1):
+        got = np.load(tmp_path / "mw" / f"rank{rank}.npz")
+        weights = sorted(k for k in ref.files if k.startswith("w"))
+        assert len(weights) == (8 if "bn=1" in options else 4)
+        for key in weights:
+            np.testing.assert_allclose(got[key], ref[key], atol=TOL, err_msg=key)
+        np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
+        np.testing.assert_allclose(got["eval"], ref["eval"], rtol=1e-5)
+        np.testing.assert_allclose(got["pred"], ref["pred"], atol=TOL)
+    # Every worker called save(); only the chief's file was kept.
+    assert (tmp_path / "mw" / "model.keras").exists()
+
+
+@pytest.mark.parametrize("source", ["numpy", "dataset"])
+def test_each_sample_once_per_epoch_across_workers(tmp_path, source):
+    # 50 samples, global batch 8: the last batch (2) is split over workers.
+    run_workers(
+        WORKER, ["coverage", str(tmp_path), "n=50", "epochs=2", f"input={source}"]
+    )
+    for rank in (0, 1):
+        seen = np.load(tmp_path / f"rank{rank}.npz")["seen"]
+        np.testing.assert_array_equal(seen, np.ones((2, 50)))
+
+
+def test_failing_worker_shows_every_output(tmp_path):
+    with pytest.raises(AssertionError) as info:
+        run_workers(WORKER, ["no-such-scenario", str(tmp_path)], timeout=120)
+    message = str(info.value)
+    assert "worker 0" in message and "worker 1" in message
+    assert "unknown scenario" in message

@@ -1,0 +1,118 @@
+"""One worker of a multi-worker test job (or the single-device reference).
+
+Usage: worker_main.py SCENARIO OUT_DIR [key=value ...]
+Writes `OUT_DIR/rank{R}.npz` with what the scenario measured.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import numpy as np  # noqa: E402
+
+import keras_dist  # noqa: E402
+
+strategy = keras_dist.resolve_strategy("auto")  # MWMS under TF_CONFIG
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from keras_dist.strategy import worker_info  # noqa: E402
+
+scenario, out_dir = sys.argv[1], sys.argv[2]
+opts = dict(a.split("=", 1) for a in sys.argv[3:])
+rank = worker_info(strategy).rank
+print(keras_dist.describe(strategy), flush=True)
+
+
+def data(n=72, d=6, seed=0):
+    rs = np.random.RandomState(seed)
+    x = rs.randn(n, d).astype("float32")
+    y = (x @ rs.randn(d, 1) + 0.1 * rs.randn(n, 1)).astype("float32")
+    return x, y
+
+
+def build(batch_norm):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="relu")(inputs)
+    if batch_norm:
+        h = keras.layers.BatchNormalization()(h)
+    outputs = keras.layers.Dense(1)(h)
+    return keras_dist.DistributedModel(inputs, outputs, strategy=strategy)
+
+
+def optimizer(name):
+    return keras.optimizers.SGD(0.05) if name == "sgd" else keras.optimizers.Adam(0.02)
+
+
+results = {}
+os.makedirs(out_dir, exist_ok=True)
+if scenario == "train":
+    x, y = data()
+    model = build(opts.get("bn") == "1")
+    model.compile(optimizer(opts["opt"]), "mse",
+                  steps_per_execution=int(opts.get("spe", 1)))
+    source = opts.get("input", "numpy")
+    if source == "numpy":
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    else:
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        history = model.fit(ds, epochs=2, verbose=0)
+    for i, w in enumerate(model.get_weights()):
+        results[f"w{i}"] = w
+    results["loss"] = np.array(history.history["loss"])
+    results["eval"] = np.array(model.evaluate(x, y, batch_size=16, verbose=0))
+    results["pred"] = model.predict(x, batch_size=16, verbose=0)
+    model.save(os.path.join(out_dir, "model.keras"))
+
+elif scenario == "coverage":
+    # Counts how often each sample is seen across all workers and replicas.
+    n = int(opts.get("n", 50))
+    x = np.arange(n, dtype="float32").reshape(n, 1)
+    y = np.zeros((n, 1), "float32")
+
+    class Counter(keras_dist.DistributedModel):
+        """Reports, per step, how often each sample id was seen."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, inputs):
+            return self.dense(inputs)
+
+        def train_step(self, data):
+            inputs, _ = data
+            ids = tf.cast(tf.reshape(inputs, [-1]), tf.int32)
+            # Logs are averaged over replicas: multiplied back below.
+            return {"ids": tf.reduce_sum(tf.one_hot(ids, n), axis=0)}
+
+    epochs = int(opts.get("epochs", 2))
+    seen = np.zeros((epochs, n))
+
+    class Tally(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            replicas = strategy.num_replicas_in_sync
+            seen[self.epoch] += np.asarray(logs["ids"]) * replicas
+
+    model = Counter(strategy=strategy)
+    model.compile("sgd", "mse")
+    source = opts.get("input", "numpy")
+    if source == "numpy":
+        model.fit(x, y, batch_size=8, epochs=epochs, shuffle=True, verbose=0,
+                  callbacks=[Tally()])
+    else:
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(n, seed=3).batch(8)
+        model.fit(ds, epochs=epochs, verbose=0, callbacks=[Tally()])
+    results["seen"] = seen
+
+else:
+    raise SystemExit(f"unknown scenario {scenario!r}")
+
+os.makedirs(out_dir, exist_ok=True)
+np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
+print("done", flush=True)

@@ -1,0 +1,437 @@
+"""In-process tests of DistributedModel on 2 and 4 logical CPUs."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dist
+from helpers import max_abs_diff, mlp, optimizer, regression_data, two_replicas
+
+TOL = 1e-5
+
+
+def strategies():
+    return {"2": two_replicas(), "4": keras_dist.resolve_strategy("mirrored")}
+
+
+def train(model_fn, strategy, opt, spe=1, epochs=2, batch_size=16, **fit_kwargs):
+    x, y = regression_data()
+    base = model_fn()
+    model = keras_dist.distribute(base, strategy=strategy)
+    model.compile(optimizer(opt), "mse", steps_per_execution=spe)
+    history = model.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
+        **fit_kwargs,
+    )
+    return model, history
+
+
+_reference = {}
+
+
+def reference(opt, batch_norm, spe=1):
+    key = (opt, batch_norm, spe)
+    if key not in _reference:
+        model, history = train(lambda: mlp(batch_norm), "default", opt, spe)
+        _reference[key] = (model.get_weights(), history.history["loss"])
+    return _reference[key]
+
+
+# 72 samples, global batch 16: four full batches and a partial one of 8,
+# which 4 replicas split 2/2/2/2 and would split unevenly for other sizes.
+@pytest.mark.parametrize("replicas", ["2", "4"])
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+@pytest.mark.parametrize("batch_norm", [False, True])
+@pytest.mark.parametrize("spe", [1, 4])
+def test_replicas_match_one_device(replicas, opt, batch_norm, spe):
+    model, history = train(lambda: mlp(batch_norm), strategies()[replicas], opt, spe)
+    ref_weights, ref_loss = reference(opt, batch_norm)
+    assert model.distribute_strategy.num_replicas_in_sync == int(replicas)
+    assert max_abs_diff(model.get_weights(), ref_weights) < TOL
+    np.testing.assert_allclose(history.history["loss"], ref_loss, rtol=1e-5)
+
+
+def test_uneven_last_batch_matches_one_device():
+    # 72 samples, batch 20: last batch of 12 split over 4 replicas as 3 x 4
+    # is even; batch 28 leaves 16 -> even too; use 70 samples, batch 16:
+    # last batch of 6 splits 2/2/1/1.
+    x, y = regression_data(n=70)
+
+    def run(strategy):
+        model = keras_dist.distribute(mlp(True), strategy=strategy)
+        model.compile(optimizer("adam"), "mse")
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    assert max_abs_diff(run("mirrored"), run("default")) < TOL
+
+
+def test_steps_per_execution_matches_single_steps():
+    # 5 batches an epoch = 3 + 2: the last execution stops early.
+    a, _ = train(lambda: mlp(True), "mirrored", "adam", spe=1)
+    c, _ = train(lambda: mlp(True), "mirrored", "adam", spe=3)
+    assert max_abs_diff(a.get_weights(), c.get_weights()) < TOL
+
+
+def test_batch_norm_statistics_are_global():
+    x, _ = regression_data(n=16)
+    y = np.zeros((16, 3), "float32")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    outputs = keras.layers.BatchNormalization(momentum=0.0)(inputs)
+    outputs = keras.layers.Dense(3)(outputs)
+    model = keras_dist.DistributedModel(inputs, outputs, strategy="mirrored")
+    model.compile("sgd", "mse")
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    bn = model.layers[1]
+    assert bn.synchronized
+    # momentum=0: the moving statistics are the last batch's statistics.
+    for replica_value in model.distribute_strategy.experimental_local_results(
+        bn.moving_mean.value
+    ):
+        np.testing.assert_allclose(replica_value, x.mean(0), atol=1e-5)
+    for replica_value in model.distribute_strategy.experimental_local_results(
+        bn.moving_variance.value
+    ):
+        np.testing.assert_allclose(replica_value, x.var(0), atol=1e-4)
+
+
+def test_batch_norm_opt_out():
+    model = keras_dist.distribute(mlp(True), "mirrored", sync_batch_norm=False)
+    model.compile("sgd", "mse")
+    assert not any(
+        getattr(layer, "synchronized", False) for layer in model.layers
+    )
+
+
+# -- the three ways to make a DistributedModel ------------------------------
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class Regressor(keras_dist.DistributedModel):
+    def __init__(self, units=8, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.hidden = keras.layers.Dense(units, activation="relu")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class CustomStep(Regressor):
+    """A user-written train_step with its own loss, on every replica."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            pred = self(x, training=True)
+            per_sample = tf.reduce_mean(tf.square(pred - y), axis=-1)
+            loss = tf.nn.compute_average_loss(per_sample, global_batch_size=16)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("cls", [Regressor, CustomStep])
+def test_subclassed_model_matches_one_device(cls):
+    x, y = regression_data(n=64)
+    weights = {}
+    for spec in ("default", "mirrored"):
+        keras.utils.set_random_seed(3)
+        model = cls(strategy=spec)
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        weights[spec] = model.get_weights()
+        assert model.distribute_strategy.num_replicas_in_sync == (
+            1 if spec == "default" else 4
+        )
+    assert max_abs_diff(weights["default"], weights["mirrored"]) < TOL
+
+
+def test_subclass_weights_live_on_the_strategy():
+    model = Regressor(strategy="mirrored")
+    model(np.zeros((4, 6), "float32"))  # built eagerly, outside any scope
+    assert all(
+        isinstance(v.value, tf.distribute.DistributedValues) for v in model.weights
+    )
+
+
+def test_functional_form_adopts_layers_built_outside_the_scope():
+    inputs = keras.Input((6,))
+    dense = keras.layers.Dense(1)
+    outputs = dense(inputs)  # weights created here, outside any scope
+    initial = dense.get_weights()
+    model = keras_dist.DistributedModel(inputs, outputs, strategy="mirrored")
+    assert all(
+        isinstance(v.value, tf.distribute.DistributedValues) for v in model.weights
+    )
+    assert max_abs_diff(model.get_weights(), initial) == 0
+
+
+@pytest.mark.parametrize("kind", ["sequential", "unbuilt_sequential", "functional",
+                                  "subclassed"])
+def test_distribute_keeps_weights(kind):
+    x, _ = regression_data(n=8)
+    keras.utils.set_random_seed(5)
+    if kind == "sequential":
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    elif kind == "unbuilt_sequential":
+        model = keras.Sequential([keras.layers.Dense(3)])
+    elif kind == "functional":
+        model = mlp()
+    else:
+        model = Plain()
+    if kind != "unbuilt_sequential":
+        model(x)
+    dist = keras_dist.distribute(model, "mirrored")
+    assert isinstance(dist, keras_dist.DistributedModel)
+    if kind != "unbuilt_sequential":
+        assert max_abs_diff(dist.get_weights(), model.get_weights()) == 0
+        np.testing.assert_allclose(
+            dist.predict(x, batch_size=8, verbose=0), model(x), atol=1e-6
+        )
+    else:
+        assert dist.predict(x, batch_size=8, verbose=0).shape == (8, 3)
+    assert all(
+        isinstance(v.value, tf.distribute.DistributedValues) for v in dist.weights
+    )
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class Plain(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, inputs):
+        return self.dense(inputs)
+
+
+def test_distribute_compiled_model_keeps_optimizer_state():
+    x, y = regression_data()
+    model = mlp()
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    dist = keras_dist.distribute(model, "mirrored")
+    assert int(dist.optimizer.iterations.numpy()) == 9
+    assert max_abs_diff(
+        [v.numpy() for v in dist.optimizer.variables],
+        [v.numpy() for v in model.optimizer.variables],
+    ) == 0
+    dist.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert int(dist.optimizer.iterations.numpy()) == 18
+
+
+def test_distribute_rejects_non_models():
+    with pytest.raises(TypeError, match="argument `model`"):
+        keras_dist.distribute(keras.layers.Dense(2))
+
+
+# -- inputs ----------------------------------------------------------------
+
+
+def test_tf_data_and_dict_inputs_match_one_device():
+    x, y = regression_data(n=64)
+    weights = {}
+    for spec in ("default", "mirrored"):
+        keras.utils.set_random_seed(2)
+        a = keras.Input((3,), name="a")
+        b = keras.Input((3,), name="b")
+        out = keras.layers.Dense(1)(keras.layers.Concatenate()([a, b]))
+        model = keras_dist.DistributedModel([a, b], out, strategy=spec)
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+        ds = tf.data.Dataset.from_tensor_slices(
+            ({"a": x[:, :3], "b": x[:, 3:]}, y)
+        ).batch(16)
+        model.fit(ds, epochs=2, verbose=0)
+        model.fit({"a": x[:, :3], "b": x[:, 3:]}, y, batch_size=16, shuffle=False,
+                  verbose=0)
+        weights[spec] = model.get_weights()
+    assert max_abs_diff(weights["default"], weights["mirrored"]) < TOL
+
+
+def test_evaluate_and_predict_match_one_device():
+    x, y = regression_data(n=70)
+    base = mlp(True)
+    one = keras_dist.distribute(base, "default")
+    many = keras_dist.distribute(base, "mirrored")
+    for m in (one, many):
+        m.compile("sgd", "mse", metrics=[keras.metrics.MeanAbsoluteError()])
+    np.testing.assert_allclose(
+        many.evaluate(x, y, batch_size=16, verbose=0),
+        one.evaluate(x, y, batch_size=16, verbose=0),
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        many.predict(x, batch_size=16, verbose=0),
+        one.predict(x, batch_size=16, verbose=0),
+        atol=1e-6,
+    )
+
+
+def test_per_replica_batch_size():
+    a, _ = train(lambda: mlp(), "mirrored", "sgd", batch_size=16)
+    x, y = regression_data()
+    b = keras_dist.distribute(mlp(), "mirrored")
+    b.compile(optimizer("sgd"), "mse")
+    history = b.fit(x, y, epochs=2, shuffle=False, verbose=0, per_replica_batch_size=4)
+    assert max_abs_diff(a.get_weights(), b.get_weights()) < TOL
+    assert len(history.history["loss"]) == 2
+    assert b.predict(x, per_replica_batch_size=4, verbose=0).shape == (72, 1)
+
+
+def test_validation_data_and_split():
+    x, y = regression_data()
+    model = keras_dist.distribute(mlp(), "mirrored")
+    model.compile("sgd", "mse")
+    h = model.fit(x, y, batch_size=16, validation_split=0.25, epochs=1, verbose=0)
+    assert "val_loss" in h.history
+    h = model.fit(x, y, batch_size=16, validation_data=(x, y), epochs=1, verbose=0)
+    assert np.isfinite(h.history["val_loss"][0])
+
+
+# -- bad input --------------------------------------------------------------
+
+
+def compiled(spec="mirrored"):
+    model = keras_dist.distribute(mlp(), spec)
+    model.compile("sgd", "mse")
+    return model
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        (dict(batch_size=16, per_replica_batch_size=4), ValueError,
+         r"mutually exclusive.*batch_size=16, per_replica_batch_size=4"),
+        (dict(batch_size=0), ValueError, r"`batch_size`.*Received: batch_size=0"),
+        (dict(batch_size=-8), ValueError, r"Received: batch_size=-8"),
+        (dict(batch_size=16.0), TypeError, r"Received: batch_size=16.0"),
+        (dict(per_replica_batch_size=0), ValueError, r"per_replica_batch_size=0"),
+        (dict(batch_size=10), ValueError,
+         r"split evenly over the 4 replicas.*batch_size=10.*batch_size=8"),
+    ],
+)
+def test_bad_batch_sizes_fail_before_training(kwargs, error, pattern):
+    model = compiled()
+    before = model.get_weights()
+    x, y = regression_data()
+    with pytest.raises(error, match=pattern):
+        model.fit(x, y, verbose=0, **kwargs)
+    assert model.optimizer.iterations.numpy() == 0
+    assert max_abs_diff(model.get_weights(), before) == 0
+
+
+def test_bad_batch_size_in_evaluate_and_predict():
+    model = compiled()
+    x, y = regression_data()
+    with pytest.raises(ValueError, match="replicas"):
+        model.evaluate(x, y, batch_size=6, verbose=0)
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        model.predict(x, batch_size=8, per_replica_batch_size=2, verbose=0)
+
+
+def test_dataset_batches_that_cannot_split():
+    model = compiled()
+    x, y = regression_data()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(6, drop_remainder=True)
+    with pytest.raises(ValueError, match="batches of 6 samples"):
+        model.fit(ds, verbose=0)
+    with pytest.raises(ValueError, match="per_replica_batch_size"):
+        model.fit(ds.unbatch().batch(8), per_replica_batch_size=2, verbose=0)
+
+
+def test_bad_sync_batch_norm():
+    with pytest.raises(TypeError, match="sync_batch_norm"):
+        keras_dist.DistributedModel(strategy="default", sync_batch_norm="yes")
+
+
+# -- compile ----------------------------------------------------------------
+
+
+def test_optimizer_and_metrics_created_outside_the_scope():
+    opt = keras.optimizers.Adam(0.01)
+    mae = keras.metrics.MeanAbsoluteError()
+    model = keras_dist.distribute(mlp(), "mirrored")
+    model.compile(opt, "mse", metrics=[mae])
+    x, y = regression_data()
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    assert history.history["loss"][1] < history.history["loss"][0]
+    assert "mean_absolute_error" in history.history
+
+
+def test_two_fits_in_a_row_continue_training():
+    x, y = regression_data()
+    once, _ = train(lambda: mlp(), "mirrored", "adam", epochs=2)
+    twice = keras_dist.distribute(mlp(), "mirrored")
+    twice.compile(optimizer("adam"), "mse")
+    twice.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    twice.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert max_abs_diff(once.get_weights(), twice.get_weights()) < TOL
+
+
+# -- saving -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["functional", "subclassed", "wrapped"])
+def test_save_and_load_round_trip(tmp_path, kind):
+    x, y = regression_data()
+    if kind == "functional":
+        model = keras_dist.distribute(mlp(True), "mirrored")
+    elif kind == "subclassed":
+        model = Regressor(units=5, strategy="mirrored")
+    else:
+        model = keras_dist.distribute(Plain(), "mirrored")
+    model.compile("adam", "mse")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    path = os.path.join(tmp_path, "m.keras")
+    model.save(path)
+    expected = model.predict(x, batch_size=16, verbose=0)
+    # Loaded under another strategy: the one in scope.
+    with two_replicas().scope():
+        loaded = keras.models.load_model(path)
+    assert isinstance(loaded, keras_dist.DistributedModel)
+    assert loaded.distribute_strategy is two_replicas()
+    np.testing.assert_allclose(loaded.predict(x, batch_size=16, verbose=0),
+                               expected, atol=1e-6)
+    loaded.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    # And with no scope: "auto" (4 replicas here).
+    plain = keras.models.load_model(path)
+    assert plain.distribute_strategy.num_replicas_in_sync == 4
+
+
+def test_save_weights_round_trip(tmp_path):
+    model, _ = train(lambda: mlp(), "mirrored", "sgd")
+    path = os.path.join(tmp_path, "w.weights.h5")
+    model.save_weights(path)
+    other = keras_dist.distribute(mlp(seed=9), "mirrored")
+    other.load_weights(path)
+    assert max_abs_diff(model.get_weights(), other.get_weights()) == 0
+
+
+# -- mixed precision -------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("spec", ["default", "mirrored"])
+def test_mixed_precision(policy, spec):
+    x, y = regression_data()
+    keras.config.set_dtype_policy(policy)
+    try:
+        model = keras_dist.distribute(mlp(True), spec)
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert model.layers[1].compute_dtype == policy.split("_")[1]
+    if policy == "mixed_float16":
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert history.history["loss"][-1] < history.history["loss"][0]
