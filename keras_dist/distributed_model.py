@@ -532,10 +532,12 @@ class DistributedWrapper(DistributedModel):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        model = keras.saving.deserialize_keras_object(
-            config.pop("model"), custom_objects=custom_objects
-        )
-        return cls(model, **config)
+        strategy = resolve_strategy(config.pop("strategy", "auto"))
+        with _scope(strategy):
+            model = keras.saving.deserialize_keras_object(
+                config.pop("model"), custom_objects=custom_objects
+            )
+        return cls(model, strategy=strategy, **config)
 
 
 def distribute(
