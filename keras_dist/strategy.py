@@ -288,14 +288,16 @@ def _local_default_device() -> str:
 
 
 def _public_name(strategy: tf.distribute.Strategy) -> str:
-    for cls in (
-        tf.distribute.MultiWorkerMirroredStrategy,
-        tf.distribute.TPUStrategy,
-        tf.distribute.MirroredStrategy,
-        tf.distribute.OneDeviceStrategy,
+    # Public names: TF's classes carry internal names (MWMS is
+    # CollectiveAllReduceStrategy).
+    for cls, name in (
+        (tf.distribute.MultiWorkerMirroredStrategy, "MultiWorkerMirroredStrategy"),
+        (tf.distribute.TPUStrategy, "TPUStrategy"),
+        (tf.distribute.MirroredStrategy, "MirroredStrategy"),
+        (tf.distribute.OneDeviceStrategy, "OneDeviceStrategy"),
     ):
         if isinstance(strategy, cls):
-            return cls.__name__
+            return name
     if not tf.distribute.has_strategy() and strategy is tf.distribute.get_strategy():
         return "DefaultStrategy"
     return type(strategy).__name__

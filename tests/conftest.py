@@ -10,3 +10,6 @@ import keras_dist  # noqa: E402
 
 NUM_LOGICAL_CPUS = 4
 keras_dist.simulate_replicas(NUM_LOGICAL_CPUS)
+
+# A script run as a subprocess by the multi-worker tests, not a test module.
+collect_ignore = ["multi_worker/worker_main.py"]
