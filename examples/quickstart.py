@@ -44,7 +44,8 @@ def main(smoke: bool) -> dict:
     # keras_dist: a functional DistributedModel; no strategy.scope() needed.
     inputs = keras.Input((8, 8, 1))
     h = keras.layers.Conv2D(16, 3, activation="relu")(inputs)
-    h = keras.layers.BatchNormalization()(h)  # synchronized across replicas
+    # keras_dist: BatchNormalization is synchronized across replicas.
+    h = keras.layers.BatchNormalization(momentum=0.9)(h)
     h = keras.layers.Flatten()(h)
     h = keras.layers.Dense(64, activation="relu")(h)
     outputs = keras.layers.Dense(10, activation="softmax")(h)

@@ -1,0 +1,25 @@
+"""Runs every example in its smoke mode and checks what it reports."""
+
+import os
+import re
+import subprocess
+import sys
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+
+
+def run_example(name: str, *args: str) -> str:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, name), *args],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_quickstart_learns_digits_on_two_replicas():
+    out = run_example("quickstart.py", "--smoke")
+    assert "MirroredStrategy: 2 replicas, 1 worker (rank 0, chief)" in out
+    accuracy = float(re.search(r"test accuracy ([0-9.]+)", out).group(1))
+    assert accuracy > 0.5  # chance is 0.1 on 10 classes
