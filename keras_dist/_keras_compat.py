@@ -15,12 +15,20 @@ pieces for `DistributedModel` only, without patching Keras globally:
    ("You must feed a value for placeholder tensor", keras-team/keras#19246).
    The loop below takes the first step unconditionally and the following
    ones through `get_next_as_optional` inside an autograph `for` loop.
+4. `predict` under `MultiWorkerMirroredStrategy` gathers outputs with a
+   collective that rejects bfloat16/float16 (mixed precision): they are
+   gathered as float32 and cast back.
+5. `LossScaleOptimizer` (mixed_float16) skips or applies a step from each
+   replica's local gradients; replicas are made to agree (see
+   `agree_on_finite`), which also keeps MultiWorkerMirroredStrategy from
+   hanging.
 
 Tested against the Keras versions in `TESTED_KERAS_VERSIONS`.
 """
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import keras
@@ -138,6 +146,33 @@ def iter_sublayers(model):
     return model._flatten_layers(include_self=False, recursive=True)
 
 
+def agree_on_finite(optimizer, gradients, context):
+    """Makes every replica see non-finite gradients if any replica does.
+
+    Keras' `LossScaleOptimizer` decides whether to apply or skip a step from
+    the *local* (not yet all-reduced) gradients. Replicas that disagree
+    either apply an infinite update (MirroredStrategy takes replica 0's
+    verdict) or hang (MultiWorkerMirroredStrategy branches around the
+    all-reduce). One scalar all-reduce makes the verdict global.
+    """
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return gradients
+    local_ok = optimizer.check_finite(gradients)
+    bad = context.all_reduce("SUM", tf.cast(tf.logical_not(local_ok), tf.float32))
+    poison = tf.where(bad > 0.0, float("nan"), 1.0)
+
+    def apply(g):
+        if g is None:
+            return None
+        if isinstance(g, tf.IndexedSlices):
+            return tf.IndexedSlices(
+                g.values * tf.cast(poison, g.values.dtype), g.indices, g.dense_shape
+            )
+        return g * tf.cast(poison, g.dtype)
+
+    return [apply(g) for g in gradients]
+
+
 def train_step(model, data):
     """Keras' TF `train_step`, exact for uneven splits across replicas.
 
@@ -179,7 +214,82 @@ def train_step(model, data):
             loss = model.optimizer.scale_loss(loss)
     if model.trainable_weights:
         gradients = tape.gradient(loss, model.trainable_weights)
+        if context is not None and strategy.num_replicas_in_sync > 1:
+            gradients = agree_on_finite(model.optimizer, gradients, context)
         model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
     else:
         warnings.warn("The model does not have any trainable weights.")
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+_GATHER_UNSUPPORTED = (tf.bfloat16, tf.float16)
+
+
+def make_predict_function(model):
+    """Keras' predict function, with outputs that can be gathered (fix 4).
+
+    Under `MultiWorkerMirroredStrategy` predictions are concatenated with a
+    collective gather, which rejects bfloat16 and float16 (mixed precision).
+    Such outputs are gathered as float32; `predict` casts them back.
+    """
+    strategy = model.distribute_strategy
+    upcast = is_multi_worker(strategy)
+    # A plain holder (Keras would wrap a dict set on the model for tracking).
+    dtypes = types.SimpleNamespace(outputs=None)
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        outputs = model.predict_step(data)
+        if not upcast:
+            return outputs
+        dtypes.outputs = tf.nest.map_structure(lambda t: t.dtype, outputs)
+        return tf.nest.map_structure(
+            lambda t: tf.cast(t, tf.float32)
+            if t.dtype in _GATHER_UNSUPPORTED
+            else t,
+            outputs,
+        )
+
+    if not model.run_eagerly and model.jit_compile:
+        one_step_on_data = tf.function(
+            one_step_on_data, reduce_retracing=True, jit_compile=True
+        )
+    one_step_on_data = model._autoconvert_optionals(one_step_on_data)
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data_distributed(data):
+        outputs = strategy.run(one_step_on_data, args=(data[0],))
+        return reduce_per_replica(outputs, strategy, "concat")
+
+    @tf.autograph.experimental.do_not_convert
+    def multi_step_on_data(data):
+        outputs = one_step_on_data_distributed(data[:1])
+        for single_step_data in data[1:]:
+            step_outputs = one_step_on_data_distributed([single_step_data])
+            outputs = tf.nest.map_structure(
+                lambda t1, t2: keras_tf_trainer.concat([t1, t2]),
+                outputs,
+                step_outputs,
+            )
+        return outputs
+
+    if model.steps_per_execution > 1:
+        predict_function = multi_step_on_data
+    else:
+        predict_function = one_step_on_data_distributed
+    if not model.run_eagerly:
+        predict_function = tf.function(predict_function, reduce_retracing=True)
+    return predict_function, dtypes
+
+
+def restore_dtypes(outputs, dtypes):
+    """Casts gathered float32 predictions back to the model's output dtypes."""
+    if dtypes.outputs is None:
+        return outputs
+    return tf.nest.map_structure(
+        lambda value, dtype: value.astype(dtype.as_numpy_dtype)
+        if hasattr(value, "astype") and dtype in _GATHER_UNSUPPORTED
+        else value,
+        outputs,
+        dtypes.outputs,
+    )

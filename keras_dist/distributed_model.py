@@ -249,6 +249,14 @@ class DistributedModel(keras.Model):
         self.test_function = _keras_compat.make_function(self, self.test_step)
         return self.test_function
 
+    def make_predict_function(self, force=False):
+        if self.predict_function is not None and not force:
+            return self.predict_function
+        self.predict_function, self._kd_predict_dtypes = (
+            _keras_compat.make_predict_function(self)
+        )
+        return self.predict_function
+
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         _keras_compat.symbolic_build(self, iterator=iterator, data_batch=data_batch)
 
@@ -396,13 +404,14 @@ class DistributedModel(keras.Model):
         if dataset is not None:
             x, batch_size = dataset, None
         with _scope(strategy):
-            return super().predict(
+            outputs = super().predict(
                 x,
                 batch_size=batch_size,
                 verbose=verbose,
                 steps=steps,
                 callbacks=callbacks,
             )
+        return _keras_compat.restore_dtypes(outputs, self._kd_predict_dtypes)
 
     # -- saving ------------------------------------------------------------
 

@@ -25,12 +25,17 @@ def free_ports(count: int) -> list[int]:
 
 
 def run_workers(
-    script: str, args: list[str], num_workers: int = 2, timeout: float = 300
+    script: str,
+    args: list[str],
+    num_workers: int = 2,
+    timeout: float = 300,
+    temp_dirs: list[str] | None = None,
 ) -> list[str]:
     """Runs `script args` on `num_workers` workers; returns their outputs.
 
-    Raises AssertionError showing every worker's output when any worker
-    fails or the job times out.
+    `temp_dirs`, if given, become each worker's TMPDIR. Raises
+    AssertionError showing every worker's output when any worker fails or
+    the job times out.
     """
     ports = free_ports(num_workers)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
@@ -43,6 +48,9 @@ def run_workers(
         env["TF_CPP_MIN_LOG_LEVEL"] = "2"
         env["PYTHONUNBUFFERED"] = "1"
         env["CUDA_VISIBLE_DEVICES"] = ""
+        if temp_dirs:
+            os.makedirs(temp_dirs[index], exist_ok=True)
+            env["TMPDIR"] = temp_dirs[index]
         procs.append(
             subprocess.Popen(
                 [sys.executable, script, *args],

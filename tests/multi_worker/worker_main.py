@@ -49,6 +49,8 @@ def optimizer(name):
 results = {}
 os.makedirs(out_dir, exist_ok=True)
 if scenario == "train":
+    if "policy" in opts:
+        keras.config.set_dtype_policy(opts["policy"])
     x, y = data()
     model = build(opts.get("bn") == "1")
     model.compile(optimizer(opts["opt"]), "mse",
@@ -62,8 +64,11 @@ if scenario == "train":
     for i, w in enumerate(model.get_weights()):
         results[f"w{i}"] = w
     results["loss"] = np.array(history.history["loss"])
+    print("fit done", flush=True)
     results["eval"] = np.array(model.evaluate(x, y, batch_size=16, verbose=0))
+    print("evaluate done", flush=True)
     results["pred"] = model.predict(x, batch_size=16, verbose=0)
+    print("predict done", flush=True)
     model.save(os.path.join(out_dir, "model.keras"))
 
 elif scenario == "coverage":
@@ -105,8 +110,24 @@ elif scenario == "coverage":
     if source == "numpy":
         model.fit(x, y, batch_size=8, epochs=epochs, shuffle=True, verbose=0,
                   callbacks=[Tally()])
-    else:
+    elif source == "dataset":
         ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(n, seed=3).batch(8)
+        model.fit(ds, epochs=epochs, verbose=0, callbacks=[Tally()])
+    else:
+        # A file-based pipeline: 4 TFRecord files, sharded by file.
+        files = sorted(
+            os.path.join(opts["files"], f) for f in os.listdir(opts["files"])
+        )
+
+        def parse(record):
+            features = tf.io.parse_single_example(
+                record, {"id": tf.io.FixedLenFeature([1], tf.float32)}
+            )
+            return features["id"], tf.zeros([1])
+
+        ds = tf.data.Dataset.from_tensor_slices(files).interleave(
+            tf.data.TFRecordDataset, cycle_length=1
+        ).map(parse).batch(8)
         model.fit(ds, epochs=epochs, verbose=0, callbacks=[Tally()])
     results["seen"] = seen
 
