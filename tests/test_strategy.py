@@ -141,3 +141,44 @@ def test_describe():
 def test_worker_info_outside_multi_worker():
     info = strategy_lib.worker_info(keras_dist.resolve_strategy("mirrored"))
     assert (info.num_workers, info.rank, info.is_chief) == (1, 0, True)
+
+
+def test_auto_picks_multi_worker_from_tf_config():
+    raw = json.dumps(
+        {
+            "cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+            "task": {"type": "worker", "index": 1},
+        }
+    )
+    sentinel = object()
+    with mock.patch.dict("os.environ", {"TF_CONFIG": raw}), mock.patch.object(
+        strategy_lib, "_multi_worker", return_value=sentinel
+    ):
+        assert keras_dist.resolve_strategy("auto") is sentinel
+
+
+def test_auto_picks_multi_worker_from_slurm():
+    sentinel = object()
+    env = {"SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "2", "TF_CONFIG": ""}
+    with mock.patch.dict("os.environ", env), mock.patch.object(
+        strategy_lib, "_multi_worker", return_value=sentinel
+    ):
+        assert keras_dist.resolve_strategy("auto") is sentinel
+
+
+def test_auto_tries_tpu_when_hinted_and_falls_back():
+    with mock.patch.dict("os.environ", {"TPU_NAME": "no-such-tpu"}), mock.patch.object(
+        strategy_lib, "_tpu", return_value=None
+    ) as tpu:
+        assert keras_dist.resolve_strategy("auto").num_replicas_in_sync == 4
+    tpu.assert_called_once_with(required=False)
+
+
+def test_explicit_tpu_without_a_tpu_says_how_to_fix():
+    with mock.patch.object(
+        tf.distribute.cluster_resolver,
+        "TPUClusterResolver",
+        side_effect=ValueError("Please provide a TPU Name"),
+    ):
+        with pytest.raises(RuntimeError, match='strategy="tpu".*TPU_NAME'):
+            keras_dist.resolve_strategy("tpu")

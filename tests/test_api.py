@@ -1,0 +1,56 @@
+"""Snapshot of the public API: every change to it shows up in review."""
+
+import inspect
+
+import keras_dist
+
+
+def signature(obj) -> str:
+    return str(inspect.signature(obj))
+
+
+def test_top_level_names():
+    assert keras_dist.__all__ == [
+        "DistributedModel",
+        "describe",
+        "distribute",
+        "resolve_strategy",
+        "simulate_replicas",
+    ]
+    assert keras_dist.__all__ == sorted(keras_dist.__all__)
+
+
+def test_signatures():
+    assert signature(keras_dist.resolve_strategy) == "(spec: 'StrategySpec' = 'auto') -> 'tf.distribute.Strategy'"
+    assert signature(keras_dist.simulate_replicas) == "(num_replicas: 'int') -> 'int'"
+    assert signature(keras_dist.describe) == "(strategy: 'StrategySpec | None' = None) -> 'str'"
+    assert signature(keras_dist.distribute) == (
+        "(model: 'keras.Model', strategy: 'StrategySpec' = 'auto', *, "
+        "sync_batch_norm: 'bool' = True) -> 'DistributedModel'"
+    )
+    assert signature(keras_dist.DistributedModel.__init__) == (
+        "(self, *args, strategy: 'StrategySpec' = 'auto', "
+        "sync_batch_norm: 'bool' = True, **kwargs)"
+    )
+
+
+def test_keras_drop_in_parity():
+    """fit/evaluate/predict/compile keep Keras' arguments, in order."""
+    import keras
+
+    for name in ("fit", "evaluate", "predict", "compile", "save", "save_weights"):
+        ours = inspect.signature(getattr(keras_dist.DistributedModel, name))
+        theirs = inspect.signature(getattr(keras.Model, name))
+        theirs_names = [
+            p for p, v in theirs.parameters.items() if v.kind != v.VAR_KEYWORD
+        ]
+        ours_names = [p for p in ours.parameters][: len(theirs_names)]
+        assert ours_names == theirs_names, name
+        for p in theirs_names:
+            assert ours.parameters[p].default == theirs.parameters[p].default, (name, p)
+        extra = [
+            p for p, v in ours.parameters.items()
+            if p not in theirs.parameters and v.kind != v.VAR_KEYWORD
+        ]
+        assert all(ours.parameters[p].kind == inspect.Parameter.KEYWORD_ONLY
+                   for p in extra), (name, extra)
