@@ -3,7 +3,8 @@ Title: Quickstart: a Keras model on 2 replicas with keras_dist
 Description: Trains a small classifier on scikit-learn's bundled digits data
 set with `DistributedModel` on 2 simulated replicas, then evaluates it.
 
-Run: `python examples/quickstart.py` (add `--smoke` for a 1-epoch run).
+Run: `python examples/quickstart.py` (add `--smoke` for a 1-epoch run), or
+as a 2-worker job: `keras-dist launch --num-workers 2 examples/quickstart.py`.
 On a machine with 2+ GPUs the same script uses them instead.
 """
 
@@ -16,10 +17,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras_dist  # noqa: E402
 
 # keras_dist: split the CPU into 2 logical devices before TensorFlow starts,
-# so this laptop trains on 2 real replicas (skipped where GPUs exist).
+# so this laptop trains on 2 real replicas. Skipped where GPUs exist, and
+# when `keras-dist launch` runs this script as one worker of a multi-worker
+# job (TF_CONFIG is set; each worker then trains on its own CPU).
 import tensorflow as tf  # noqa: E402
 
-if not tf.config.list_physical_devices("GPU"):
+if not tf.config.list_physical_devices("GPU") and not os.environ.get("TF_CONFIG"):
     keras_dist.simulate_replicas(2)
 
 import keras  # noqa: E402

@@ -1,25 +1,38 @@
 """keras_dist: train any Keras 3 model on many devices and machines.
 
 The core: `DistributedModel` (and `distribute` for an existing model),
-`resolve_strategy`, `simulate_replicas` and `describe`.
+`resolve_strategy`, `simulate_replicas` and `describe`; `launch` starts and
+supervises the workers of a multi-worker job (also `keras-dist launch`).
+Names are imported on first use, so the launcher starts without loading
+TensorFlow.
 """
 
+import importlib as _importlib
 import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-from keras_dist.distributed_model import DistributedModel  # noqa: E402
-from keras_dist.distributed_model import distribute  # noqa: E402
-from keras_dist.strategy import describe  # noqa: E402
-from keras_dist.strategy import resolve_strategy  # noqa: E402
-from keras_dist.strategy import simulate_replicas  # noqa: E402
-
 __version__ = "0.1.0"
 
-__all__ = [
-    "DistributedModel",
-    "describe",
-    "distribute",
-    "resolve_strategy",
-    "simulate_replicas",
-]
+_EXPORTS = {
+    "DistributedModel": "keras_dist.distributed_model",
+    "describe": "keras_dist.strategy",
+    "distribute": "keras_dist.distributed_model",
+    "launch": "keras_dist.launcher",
+    "resolve_strategy": "keras_dist.strategy",
+    "simulate_replicas": "keras_dist.strategy",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(_importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'keras_dist' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_EXPORTS))

@@ -14,6 +14,7 @@ def test_top_level_names():
         "DistributedModel",
         "describe",
         "distribute",
+        "launch",
         "resolve_strategy",
         "simulate_replicas",
     ]
@@ -27,6 +28,12 @@ def test_signatures():
     assert signature(keras_dist.distribute) == (
         "(model: 'keras.Model', strategy: 'StrategySpec' = 'auto', *, "
         "sync_batch_norm: 'bool' = True) -> 'DistributedModel'"
+    )
+    assert signature(keras_dist.launch) == (
+        "(script: 'str', script_args: 'Sequence[str]' = (), *, "
+        "num_workers: 'int | None' = None, hosts: 'str | None' = None, "
+        "rank: 'int | None' = None, max_restarts: 'int' = 0, "
+        "log_dir: 'str | None' = None, grace_period: 'float' = 5.0) -> 'int'"
     )
     assert signature(keras_dist.DistributedModel.__init__) == (
         "(self, *args, strategy: 'StrategySpec' = 'auto', "

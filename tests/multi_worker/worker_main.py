@@ -5,7 +5,9 @@ Writes `OUT_DIR/rank{R}.npz` with what the scenario measured.
 """
 
 import os
+import signal
 import sys
+import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
@@ -56,18 +58,34 @@ if scenario == "train":
     model.compile(optimizer(opts["opt"]), "mse",
                   steps_per_execution=int(opts.get("spe", 1)))
     source = opts.get("input", "numpy")
+    batch = int(opts.get("batch", 16))
+    callbacks = []
+    if "crash_rank" in opts and rank == int(opts["crash_rank"]):
+        marker = os.path.join(out_dir, "crashed")
+
+        class Crash(keras.callbacks.Callback):
+            """Dies by SIGKILL mid-epoch, once (a marker file remembers)."""
+
+            def on_train_batch_end(self, batch_index, logs=None):
+                if batch_index == 2 and not os.path.exists(marker):
+                    with open(marker, "w") as f:
+                        f.write(repr(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        callbacks.append(Crash())
     if source == "numpy":
-        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False,
+                            verbose=0, callbacks=callbacks)
     else:
-        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
-        history = model.fit(ds, epochs=2, verbose=0)
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+        history = model.fit(ds, epochs=2, verbose=0, callbacks=callbacks)
     for i, w in enumerate(model.get_weights()):
         results[f"w{i}"] = w
     results["loss"] = np.array(history.history["loss"])
     print("fit done", flush=True)
-    results["eval"] = np.array(model.evaluate(x, y, batch_size=16, verbose=0))
+    results["eval"] = np.array(model.evaluate(x, y, batch_size=batch, verbose=0))
     print("evaluate done", flush=True)
-    results["pred"] = model.predict(x, batch_size=16, verbose=0)
+    results["pred"] = model.predict(x, batch_size=batch, verbose=0)
     print("predict done", flush=True)
     model.save(os.path.join(out_dir, "model.keras"))
 

@@ -1,0 +1,340 @@
+"""`launch`: start and supervise the workers of a multi-worker job."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from keras_dist import _cluster_spec
+
+_TAIL_LINES = 40
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(f"[keras-dist] {message}\n")
+    sys.stderr.flush()
+
+
+@dataclass
+class _Worker:
+    rank: int
+    proc: subprocess.Popen
+    tail: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=_TAIL_LINES)
+    )
+    reader: threading.Thread | None = None
+
+
+@dataclass
+class _Outcome:
+    code: int
+    reason: str = ""
+    interrupted: bool = False
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _exit_status(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+class _Group:
+    """One generation of worker processes, supervised together."""
+
+    def __init__(self, script, script_args, configs, log_dir, grace_period):
+        self.grace_period = grace_period
+        self.workers: list[_Worker] = []
+        self.lock = threading.Lock()
+        self.log_dir = log_dir
+        for rank, config in configs:
+            env = dict(os.environ, TF_CONFIG=config, PYTHONUNBUFFERED="1")
+            proc = subprocess.Popen(
+                [sys.executable, "-u", script, *script_args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                errors="replace",
+                start_new_session=True,  # own process group: we stop it whole
+            )
+            worker = _Worker(rank, proc)
+            worker.reader = threading.Thread(
+                target=self._pump, args=(worker,), daemon=True
+            )
+            worker.reader.start()
+            self.workers.append(worker)
+
+    def _pump(self, worker: _Worker) -> None:
+        log = None
+        if self.log_dir:
+            log = open(
+                os.path.join(self.log_dir, f"worker-{worker.rank}.log"),
+                "a",
+                encoding="utf-8",
+            )
+        try:
+            for line in worker.proc.stdout:
+                worker.tail.append(line)
+                if log is not None:
+                    log.write(line)
+                    log.flush()
+                else:
+                    with self.lock:
+                        sys.stdout.write(f"[worker {worker.rank}] {line}")
+                        sys.stdout.flush()
+        finally:
+            if log is not None:
+                log.close()
+
+    def signal_all(self, signum: int) -> None:
+        for worker in self.workers:
+            if worker.proc.poll() is None:
+                try:
+                    os.killpg(worker.proc.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Sends `signum`, waits the grace period, then kills what is left."""
+        self.signal_all(signum)
+        deadline = time.monotonic() + self.grace_period
+        while time.monotonic() < deadline and any(
+            w.proc.poll() is None for w in self.workers
+        ):
+            time.sleep(0.05)
+        self.signal_all(signal.SIGKILL)
+        for worker in self.workers:
+            worker.proc.wait()
+            worker.reader.join(timeout=5)
+
+    def wait(self, interrupt: list[int]) -> _Outcome:
+        while True:
+            if interrupt:
+                signum = interrupt[0]
+                _say(
+                    f"received {signal.Signals(signum).name}: forwarding it to "
+                    f"the workers (grace period {self.grace_period:g}s)"
+                )
+                self.stop(signum)
+                return _Outcome(128 + signum, "interrupted", interrupted=True)
+            codes = [w.proc.poll() for w in self.workers]
+            for worker, code in zip(self.workers, codes):
+                if code not in (None, 0):
+                    worker.reader.join(timeout=2)
+                    reason = f"worker {worker.rank} {_describe_exit(code)}"
+                    _say(f"{reason}; stopping the other workers")
+                    self.stop()
+                    tail = "".join(worker.tail)
+                    _say(
+                        f"last lines of worker {worker.rank}'s output:\n"
+                        f"{tail.rstrip()}"
+                    )
+                    return _Outcome(_exit_status(code), reason)
+            if all(code == 0 for code in codes):
+                for worker in self.workers:
+                    worker.reader.join(timeout=5)
+                return _Outcome(0)
+            time.sleep(0.05)
+
+
+def launch(
+    script: str,
+    script_args: Sequence[str] = (),
+    *,
+    num_workers: int | None = None,
+    hosts: str | None = None,
+    rank: int | None = None,
+    max_restarts: int = 0,
+    log_dir: str | None = None,
+    grace_period: float = 5.0,
+) -> int:
+    """Runs `script` as the workers of a multi-worker job and supervises them.
+
+    Local mode (`num_workers=N`) starts N processes of the script on this
+    machine, each with its own `TF_CONFIG` (N workers on free 127.0.0.1
+    ports), so `keras_dist.resolve_strategy("auto")` gives each a
+    `MultiWorkerMirroredStrategy`. Multi-host mode (`hosts=..., rank=I`)
+    starts this host's worker only; run it once per host. Inside a Slurm
+    allocation (neither given) the cluster comes from Slurm's variables.
+
+    Each output line is prefixed with its worker's rank (or written to
+    `log_dir/worker-<rank>.log`). When a worker exits with an error or is
+    killed, the others are stopped at once (no hang in a collective): the
+    launcher reports which worker failed, how, and its last lines. With
+    `max_restarts=K` the whole group is restarted (fresh ports) up to K
+    times, so a job that backs itself up resumes by itself. SIGINT/SIGTERM
+    are forwarded to the workers, which get `grace_period` seconds to exit.
+
+    Args:
+        script: Path of the Python script every worker runs.
+        script_args: Arguments passed to the script.
+        num_workers: Positive integer: local mode with this many workers.
+        hosts: `"host1:port,host2:port"`: multi-host mode (needs `rank`).
+        rank: This host's index in `hosts`.
+        max_restarts: Non-negative integer, default 0: group restarts after
+            a failure.
+        log_dir: Directory for per-worker log files (default: prefixed
+            lines on standard output).
+        grace_period: Positive number of seconds, default 5, that workers
+            get to exit after SIGTERM/SIGINT before they are killed.
+
+    Returns:
+        0 when every worker succeeded; otherwise the failed worker's exit
+        code (128 + signal number for a signal).
+
+    Example:
+
+    >>> import keras_dist
+    >>> keras_dist.launch("train.py", ["--epochs", "3"], num_workers=2)  # doctest: +SKIP
+    0
+
+    Raises:
+        ValueError / TypeError: before anything starts, for a missing
+            script, `num_workers < 1`, a malformed `hosts`, a rank out of
+            range, a port in use or bad restart/grace values.
+    """
+    configs_for = _plan(script, num_workers, hosts, rank, max_restarts, log_dir, grace_period)
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+    interrupt: list[int] = []
+    previous = {}
+
+    def on_signal(signum, frame):
+        interrupt.append(signum)
+
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, on_signal)
+    try:
+        restarts = 0
+        while True:
+            group = _Group(script, list(script_args), configs_for(), log_dir, grace_period)
+            outcome = group.wait(interrupt)
+            if outcome.code == 0:
+                if restarts:
+                    _say(f"job finished after {restarts} restart(s)")
+                return 0
+            if outcome.interrupted or restarts >= max_restarts:
+                if not outcome.interrupted:
+                    _say(
+                        f"job failed: {outcome.reason}"
+                        + (f" (after {restarts} restart(s))" if restarts else "")
+                    )
+                return outcome.code
+            restarts += 1
+            _say(
+                f"restarting the worker group ({restarts}/{max_restarts}) "
+                f"because {outcome.reason}"
+            )
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _plan(script, num_workers, hosts, rank, max_restarts, log_dir, grace_period):
+    """Validates everything up front; returns a TF_CONFIG factory."""
+    if not isinstance(script, (str, os.PathLike)) or not os.path.isfile(script):
+        raise ValueError(
+            "Invalid value for argument `script`: no such file. Received: "
+            f"script={script!r}. Pass the path of the training script."
+        )
+    for name, value in (("max_restarts", max_restarts),):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(
+                f"Invalid value for argument `{name}`. Expected a non-negative "
+                f"integer. Received: {name}={value!r}."
+            )
+    if not isinstance(grace_period, (int, float)) or grace_period <= 0:
+        raise ValueError(
+            "Invalid value for argument `grace_period`. Expected a positive "
+            f"number of seconds. Received: grace_period={grace_period!r}."
+        )
+    if log_dir is not None and os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        raise ValueError(
+            "Invalid value for argument `log_dir`: it exists and is not a "
+            f"directory. Received: log_dir={log_dir!r}."
+        )
+    if num_workers is not None and hosts is not None:
+        raise ValueError(
+            "Arguments `num_workers` and `hosts` are mutually exclusive. "
+            f"Received: num_workers={num_workers!r}, hosts={hosts!r}. Use "
+            "num_workers for local workers, hosts (with rank) for one host "
+            "of a multi-host job."
+        )
+    if num_workers is not None:
+        if (
+            not isinstance(num_workers, int)
+            or isinstance(num_workers, bool)
+            or num_workers < 1
+        ):
+            raise ValueError(
+                "Invalid value for argument `num_workers`. Expected a positive "
+                f"integer. Received: num_workers={num_workers!r}."
+            )
+
+        def local():
+            ports = _cluster_spec.loopback_ports(num_workers)
+            workers = [f"127.0.0.1:{p}" for p in ports]
+            return [(r, _cluster_spec.tf_config(workers, r)) for r in range(num_workers)]
+
+        return local
+    if hosts is not None:
+        workers = _cluster_spec.parse_hosts(hosts)
+        if rank is None:
+            raise ValueError(
+                "Argument `rank` is required with `hosts`: the index of this "
+                f"host in the list. Received: rank=None, hosts={hosts!r}."
+            )
+        _cluster_spec.check_rank(rank, len(workers))
+        _cluster_spec.check_port_free(workers[rank])
+        config = _cluster_spec.tf_config(workers, rank)
+        return lambda: [(rank, config)]
+    slurm = _cluster_spec.slurm_cluster()
+    if slurm is not None:
+        workers, slurm_rank = slurm
+        config = _cluster_spec.tf_config(workers, slurm_rank)
+        return lambda: [(slurm_rank, config)]
+    raise ValueError(
+        "No cluster given. Pass num_workers=N (--num-workers N) for N local "
+        "workers, or hosts='h1:port,h2:port' with rank=I (--hosts, --rank) "
+        "on each host, or run inside a Slurm allocation (srun)."
+    )
+
+
+def planned_tf_configs(
+    num_workers: int | None = None, hosts: str | None = None
+) -> list[str]:
+    """The `TF_CONFIG` of every worker that `launch` would start.
+
+    For local mode the ports are chosen now; a later `launch` picks fresh
+    ones. For `hosts`, the result is exactly what each host's worker gets.
+    """
+    if hosts is not None:
+        workers = _cluster_spec.parse_hosts(hosts)
+    elif num_workers is not None and isinstance(num_workers, int) and num_workers >= 1:
+        workers = [f"127.0.0.1:{p}" for p in _cluster_spec.loopback_ports(num_workers)]
+    else:
+        slurm = _cluster_spec.slurm_cluster()
+        if slurm is None:
+            raise ValueError(
+                "Pass --num-workers N or --hosts h1:port,h2:port with "
+                f"--print-tf-config. Received: num_workers={num_workers!r}, "
+                f"hosts={hosts!r}."
+            )
+        workers = slurm[0]
+    return [_cluster_spec.tf_config(workers, r) for r in range(len(workers))]

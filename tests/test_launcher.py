@@ -1,0 +1,235 @@
+"""The launcher's supervision, with small scripts that need no TensorFlow."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import keras_dist
+from keras_dist import cli
+
+
+def script(tmp_path, body: str, name="job.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+ECHO = """
+import json, os, sys
+config = json.loads(os.environ["TF_CONFIG"])
+rank = config["task"]["index"]
+print("rank", rank, "of", len(config["cluster"]["worker"]), "args", sys.argv[1:])
+with open(os.path.join(sys.argv[1], f"config{rank}.json"), "w") as f:
+    f.write(os.environ["TF_CONFIG"])
+"""
+
+
+def test_local_workers_get_their_own_tf_config(tmp_path, capfd):
+    job = script(tmp_path, ECHO)
+    assert keras_dist.launch(job, [str(tmp_path), "x"], num_workers=3) == 0
+    out = capfd.readouterr().out
+    for rank in range(3):
+        assert f"[worker {rank}] rank {rank} of 3 args ['{tmp_path}', 'x']" in out
+    configs = [json.loads((tmp_path / f"config{r}.json").read_text()) for r in range(3)]
+    workers = configs[0]["cluster"]["worker"]
+    assert len(set(workers)) == 3
+    assert all(w.startswith("127.0.0.1:") for w in workers)
+    assert [c["task"] for c in configs] == [
+        {"type": "worker", "index": r} for r in range(3)
+    ]
+    assert all(c["cluster"]["worker"] == workers for c in configs)
+
+
+def test_log_dir(tmp_path, capfd):
+    job = script(tmp_path, ECHO)
+    logs = tmp_path / "logs"
+    assert keras_dist.launch(job, [str(tmp_path)], num_workers=2, log_dir=str(logs)) == 0
+    assert "[worker" not in capfd.readouterr().out
+    assert "rank 1 of 2" in (logs / "worker-1.log").read_text()
+
+
+HANG_UNLESS_RANK_1_FAILS = """
+import json, os, sys, time
+rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+if rank == 1:
+    print("about to fail", flush=True)
+    sys.exit(int(sys.argv[1]))
+time.sleep(300)  # as if stuck in a collective with the dead worker
+"""
+
+
+@pytest.mark.parametrize("code", [3, -signal.SIGKILL])
+def test_one_failure_stops_the_group(tmp_path, capfd, code):
+    body = HANG_UNLESS_RANK_1_FAILS
+    if code < 0:
+        body = body.replace(
+            "sys.exit(int(sys.argv[1]))", "os.kill(os.getpid(), signal.SIGKILL)"
+        ).replace("import json", "import signal, json")
+    job = script(tmp_path, body)
+    start = time.monotonic()
+    status = keras_dist.launch(job, ["3"], num_workers=3, grace_period=2)
+    elapsed = time.monotonic() - start
+    err = capfd.readouterr().err
+    if code > 0:
+        assert status == 3
+        assert "worker 1 exited with code 3" in err
+    else:
+        assert status == 128 + signal.SIGKILL
+        assert "worker 1 was killed by SIGKILL" in err
+    assert "last lines of worker 1's output:\nabout to fail" in err
+    assert elapsed < 60  # the sleeping workers were stopped, not waited for
+
+
+def test_max_restarts_restarts_the_group(tmp_path, capfd):
+    job = script(
+        tmp_path,
+        """
+        import json, os, sys
+        rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        marker = os.path.join(sys.argv[1], "crashed-once")
+        if rank == 0 and not os.path.exists(marker):
+            open(marker, "w").close()
+            sys.exit(7)
+        print("attempt ok", flush=True)
+        """,
+    )
+    assert keras_dist.launch(job, [str(tmp_path)], num_workers=2, max_restarts=1) == 0
+    err = capfd.readouterr().err
+    assert "restarting the worker group (1/1) because worker 0 exited with code 7" in err
+    assert "job finished after 1 restart(s)" in err
+
+
+def test_restarts_are_bounded(tmp_path, capfd):
+    job = script(tmp_path, "import sys; sys.exit(5)\n")
+    assert keras_dist.launch(job, num_workers=2, max_restarts=2) == 5
+    err = capfd.readouterr().err
+    assert err.count("restarting the worker group") == 2
+    assert "job failed: worker" in err and "(after 2 restart(s))" in err
+
+
+def test_sigterm_is_forwarded_to_the_workers(tmp_path):
+    job = script(
+        tmp_path,
+        """
+        import json, os, signal, sys, time
+        rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        def bye(signum, frame):
+            open(os.path.join(sys.argv[1], f"got{rank}-{signum}"), "w").close()
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, bye)
+        print("ready", flush=True)
+        time.sleep(300)
+        """,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2",
+         job, str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    ready = 0
+    while ready < 2:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        ready += "ready" in line
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["job.py", f"got0-{int(signal.SIGTERM)}", f"got1-{int(signal.SIGTERM)}"]
+    )
+    assert "received SIGTERM: forwarding it to the workers" in proc.stderr.read()
+
+
+# -- argument errors, before anything starts ---------------------------------
+
+
+def run_cli(args, capsys):
+    status = cli.main(["launch", *args])
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--num-workers", "2", "missing.py"], "`script`: no such file. Received: script='missing.py'"),
+        (["--num-workers", "0", "JOB"], "`num_workers`. Expected a positive integer. Received: num_workers=0"),
+        (["--hosts", "a:1,b", "--rank", "0", "JOB"], "entry 'b' is not host:port"),
+        (["--hosts", "a:1,a:1", "--rank", "0", "JOB"], "'a:1' appears twice"),
+        (["--hosts", "a:70000", "--rank", "0", "JOB"], "port in 1-65535"),
+        (["--hosts", "a:1,b:2", "--rank", "2", "JOB"], "`--rank`. Expected an integer in [0, 2) for 2 hosts. Received: --rank=2"),
+        (["--hosts", "a:1,b:2", "JOB"], "Argument `rank` is required with `hosts`"),
+        (["--num-workers", "2", "--hosts", "a:1", "JOB"], "mutually exclusive"),
+        (["--num-workers", "2", "--max-restarts", "-1", "JOB"], "`max_restarts`"),
+        (["--num-workers", "2", "--grace-period", "0", "JOB"], "`grace_period`"),
+        (["JOB"], "No cluster given. Pass num_workers=N"),
+    ],
+)
+def test_argument_errors(tmp_path, capsys, args, message):
+    job = script(tmp_path, "raise SystemExit('must not run')\n")
+    args = [job if a == "JOB" else a for a in args]
+    status, err = run_cli(args, capsys)
+    assert status == 2
+    assert message in err
+
+
+def test_port_in_use(tmp_path, capsys):
+    job = script(tmp_path, "raise SystemExit('must not run')\n")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        status, err = run_cli(
+            ["--hosts", f"127.0.0.1:{port},127.0.0.1:1", "--rank", "0", job], capsys
+        )
+    assert status == 2
+    assert f"Port {port} of this host's worker address '127.0.0.1:{port}' is already in use" in err
+
+
+def test_print_tf_config_matches_what_each_host_gets(tmp_path, capsys):
+    hosts = "127.0.0.1:{},127.0.0.1:{}".format(*_free_ports(2))
+    assert cli.main(["launch", "--hosts", hosts, "--print-tf-config"]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [p["rank"] for p in printed] == [0, 1]
+    job = script(tmp_path, ECHO)
+    for rank in (0, 1):
+        # One launcher per "host", as a user would run under ssh.
+        assert keras_dist.launch(job, [str(tmp_path)], hosts=hosts, rank=rank) == 0
+        received = json.loads((tmp_path / f"config{rank}.json").read_text())
+        assert received == printed[rank]["TF_CONFIG"]
+
+
+def test_print_tf_config_local(capsys):
+    assert cli.main(["launch", "--num-workers", "3", "--print-tf-config"]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [p["TF_CONFIG"]["task"]["index"] for p in printed] == [0, 1, 2]
+
+
+def test_slurm_cluster(tmp_path, capsys):
+    env = {
+        "SLURM_PROCID": "1",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_NODELIST": "node[1-2]",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+        "SLURM_NTASKS": "2",
+    }
+    from unittest import mock
+
+    with mock.patch.dict("os.environ", env):
+        assert cli.main(["launch", "--print-tf-config"]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert printed[1]["TF_CONFIG"] == {
+        "cluster": {"worker": ["node1:8888", "node2:8888"]},
+        "task": {"type": "worker", "index": 1},
+    }
+
+
+def _free_ports(n):
+    from keras_dist._cluster_spec import loopback_ports
+
+    return loopback_ports(n)
