@@ -23,3 +23,22 @@ def test_quickstart_learns_digits_on_two_replicas():
     assert "MirroredStrategy: 2 replicas, 1 worker (rank 0, chief)" in out
     accuracy = float(re.search(r"test accuracy ([0-9.]+)", out).group(1))
     assert accuracy > 0.5  # chance is 0.1 on 10 classes
+
+
+def test_quickstart_on_two_launched_workers():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(
+        [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2",
+         os.path.join(EXAMPLES, "quickstart.py"), "--smoke"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for rank in (0, 1):
+        assert (
+            f"[worker {rank}] MultiWorkerMirroredStrategy: 2 replicas, 2 workers "
+            f"(rank {rank}" in done.stdout
+        )
+    accuracies = re.findall(r"\[worker \d\] test loss [0-9.]+  test accuracy ([0-9.]+)",
+                            done.stdout)
+    assert len(accuracies) == 2 and accuracies[0] == accuracies[1]
+    assert float(accuracies[0]) > 0.5
