@@ -319,7 +319,7 @@ class DistributedModel(keras.Model):
                 y=y,
                 batch_size=batch_size,
                 epochs=epochs,
-                verbose=verbose,
+                verbose=self._kd_verbose(verbose),
                 callbacks=callbacks,
                 validation_split=validation_split,
                 validation_data=validation_data,
@@ -332,6 +332,10 @@ class DistributedModel(keras.Model):
                 validation_batch_size=None if dataset is not None else validation_batch_size,
                 validation_freq=validation_freq,
             )
+
+    def _kd_verbose(self, verbose):
+        """Progress output comes from the chief only."""
+        return verbose if worker_info(self._kd_strategy).is_chief else 0
 
     def _kd_eval_dataset(self, data, batch_size):
         if not _keras_compat.is_multi_worker(self._kd_strategy):
@@ -374,7 +378,7 @@ class DistributedModel(keras.Model):
                 x=x,
                 y=y,
                 batch_size=batch_size,
-                verbose=verbose,
+                verbose=self._kd_verbose(verbose),
                 sample_weight=sample_weight,
                 steps=steps,
                 callbacks=callbacks,
@@ -407,7 +411,7 @@ class DistributedModel(keras.Model):
             outputs = super().predict(
                 x,
                 batch_size=batch_size,
-                verbose=verbose,
+                verbose=self._kd_verbose(verbose),
                 steps=steps,
                 callbacks=callbacks,
             )
