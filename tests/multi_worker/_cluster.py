@@ -4,24 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
-
-def free_ports(count: int) -> list[int]:
-    """Distinct free loopback ports (all held open until all are chosen)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+from keras_dist._cluster_spec import loopback_ports
 
 
 def run_workers(
@@ -37,7 +24,7 @@ def run_workers(
     AssertionError showing every worker's output when any worker fails or
     the job times out.
     """
-    ports = free_ports(num_workers)
+    ports = loopback_ports(num_workers)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     procs = []
     for index in range(num_workers):
