@@ -37,6 +37,14 @@ class _Outcome:
     code: int
     reason: str = ""
     interrupted: bool = False
+    port_conflict: bool = False
+
+
+# What TensorFlow prints when its gRPC server cannot bind its port: in local
+# mode another process took a port between our reservation and the worker's
+# bind. Such starts are retried with fresh ports, not counted as restarts.
+_PORT_CONFLICT_MARKERS = ("Could not start gRPC server", "Address already in use")
+_PORT_RETRIES = 3
 
 
 def _describe_exit(code: int) -> str:
@@ -144,7 +152,11 @@ class _Group:
                         f"last lines of worker {worker.rank}'s output:\n"
                         f"{tail.rstrip()}"
                     )
-                    return _Outcome(_exit_status(code), reason)
+                    return _Outcome(
+                        _exit_status(code),
+                        reason,
+                        port_conflict=any(m in tail for m in _PORT_CONFLICT_MARKERS),
+                    )
             if all(code == 0 for code in codes):
                 for worker in self.workers:
                     worker.reader.join(timeout=5)
@@ -222,9 +234,22 @@ def launch(
             previous[signum] = signal.signal(signum, on_signal)
     try:
         restarts = 0
+        port_retries = 0
         while True:
             group = _Group(script, list(script_args), configs_for(), log_dir, grace_period)
             outcome = group.wait(interrupt)
+            if (
+                outcome.port_conflict
+                and num_workers is not None
+                and port_retries < _PORT_RETRIES
+            ):
+                port_retries += 1
+                _say(
+                    "a worker could not bind its port (taken by another "
+                    f"process); retrying with fresh ports ({port_retries}/"
+                    f"{_PORT_RETRIES})"
+                )
+                continue
             if outcome.code == 0:
                 if restarts:
                     _say(f"job finished after {restarts} restart(s)")

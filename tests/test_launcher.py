@@ -106,6 +106,29 @@ def test_max_restarts_restarts_the_group(tmp_path, capfd):
     assert "job finished after 1 restart(s)" in err
 
 
+def test_port_conflict_is_retried_with_fresh_ports(tmp_path, capfd):
+    job = script(
+        tmp_path,
+        """
+        import json, os, sys
+        config = json.loads(os.environ["TF_CONFIG"])
+        with open(os.path.join(sys.argv[1], "ports"), "a") as f:
+            f.write(config["cluster"]["worker"][0] + "\\n")
+        marker = os.path.join(sys.argv[1], "conflicted")
+        if config["task"]["index"] == 0 and not os.path.exists(marker):
+            open(marker, "w").close()
+            print("UnknownError: Could not start gRPC server", flush=True)
+            sys.exit(1)
+        """,
+    )
+    assert keras_dist.launch(job, [str(tmp_path)], num_workers=2) == 0
+    err = capfd.readouterr().err
+    assert "could not bind its port" in err and "retrying with fresh ports (1/3)" in err
+    assert "restarting the worker group" not in err
+    addresses = set((tmp_path / "ports").read_text().split())
+    assert len(addresses) == 2  # the retry used other ports
+
+
 def test_restarts_are_bounded(tmp_path, capfd):
     job = script(tmp_path, "import sys; sys.exit(5)\n")
     assert keras_dist.launch(job, num_workers=2, max_restarts=2) == 5

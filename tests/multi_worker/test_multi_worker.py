@@ -86,7 +86,7 @@ def write_record_files(directory, n, num_files):
                 writer.write(example.SerializeToString())
 
 
-@pytest.mark.parametrize("source", ["numpy", "dataset", "files"])
+@pytest.mark.parametrize("source", ["numpy", "dict", "dataset", "files"])
 def test_each_sample_once_per_epoch_across_workers(tmp_path, source):
     # 50 samples, global batch 8: the last batch (2) is split over workers.
     args = ["coverage", str(tmp_path), "n=50", "epochs=2", f"input={source}"]

@@ -103,10 +103,12 @@ elif scenario == "coverage":
             self.dense = keras.layers.Dense(1)
 
         def call(self, inputs):
-            return self.dense(inputs)
+            return self.dense(inputs["ids"] if isinstance(inputs, dict) else inputs)
 
         def train_step(self, data):
             inputs, _ = data
+            if isinstance(inputs, dict):
+                inputs = inputs["ids"]
             ids = tf.cast(tf.reshape(inputs, [-1]), tf.int32)
             # Logs are averaged over replicas: multiplied back below.
             return {"ids": tf.reduce_sum(tf.one_hot(ids, n), axis=0)}
@@ -125,8 +127,9 @@ elif scenario == "coverage":
     model = Counter(strategy=strategy)
     model.compile("sgd", "mse")
     source = opts.get("input", "numpy")
-    if source == "numpy":
-        model.fit(x, y, batch_size=8, epochs=epochs, shuffle=True, verbose=0,
+    if source in ("numpy", "dict"):
+        inputs = {"ids": x} if source == "dict" else x
+        model.fit(inputs, y, batch_size=8, epochs=epochs, shuffle=True, verbose=0,
                   callbacks=[Tally()])
     elif source == "dataset":
         ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(n, seed=3).batch(8)
