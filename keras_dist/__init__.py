@@ -23,7 +23,14 @@ _EXPORTS = {
     "simulate_replicas": "keras_dist.strategy",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "DistributedModel",
+    "describe",
+    "distribute",
+    "launch",
+    "resolve_strategy",
+    "simulate_replicas",
+]
 
 
 def __getattr__(name):

@@ -103,7 +103,7 @@ def _check_dataset_batch(x, replicas: int) -> None:
         )
 
 
-def _is_array_structure(value) -> bool:
+def is_array_structure(value) -> bool:
     leaves = tf.nest.flatten(value)
     return bool(leaves) and all(
         isinstance(v, (np.ndarray, tf.Tensor)) for v in leaves
@@ -144,7 +144,7 @@ def shardable_arrays(strategy, x, y, sample_weight, batch_size, shuffle):
     data = (x,) if y is None else (x, y)
     if sample_weight is not None:
         data = (x, y, sample_weight)
-    if not _is_array_structure(data):
+    if not is_array_structure(data):
         return None
     num_samples = int(tf.nest.flatten(x)[0].shape[0])
     tensors = tf.nest.map_structure(tf.convert_to_tensor, data)

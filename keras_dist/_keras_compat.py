@@ -120,7 +120,7 @@ def make_function(model, step_function):
 
     if steps_per_execution == 1:
 
-        def multi_step_on_iterator(iterator):  # noqa: F811
+        def multi_step_on_iterator(iterator):
             return one_step_on_data(next(iterator))
 
     if not model.run_eagerly:

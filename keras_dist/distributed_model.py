@@ -19,6 +19,7 @@ from keras.src.models.model import functional_init_arguments
 from keras_dist import _data
 from keras_dist import _keras_compat
 from keras_dist.strategy import StrategySpec
+from keras_dist.strategy import describe
 from keras_dist.strategy import resolve_strategy
 from keras_dist.strategy import worker_info
 
@@ -141,7 +142,6 @@ class DistributedModel(keras.Model):
         object.__setattr__(self, "_kd_strategy", resolved)
         with _scope(resolved):
             super().__init__(*args, **kwargs)
-        self._kd_strategy = resolved
         self._kd_sync_batch_norm = sync_batch_norm
         self._distribute_strategy = (
             None if resolved is _DEFAULT_STRATEGY else resolved
@@ -171,7 +171,7 @@ class DistributedModel(keras.Model):
             if obj.built:
                 warnings.warn(
                     f"The optimizer passed to compile() was created outside "
-                    f"the model's strategy ({type(strategy).__name__}) and "
+                    f"the model's strategy ({describe(strategy)}) and "
                     "has state; keras_dist re-creates it from its config on "
                     "the strategy and its state (iterations, slots) starts "
                     "fresh.",
@@ -297,7 +297,7 @@ class DistributedModel(keras.Model):
             _data.global_batch_size(
                 strategy, x, validation_batch_size, None, "validation_batch_size"
             )
-        if validation_split and validation_data is None and _data._is_array_structure(x):
+        if validation_split and validation_data is None and _data.is_array_structure(x):
             (x, y, sample_weight), validation_data = _split(
                 (x, y, sample_weight), validation_split
             )

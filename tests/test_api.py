@@ -61,3 +61,9 @@ def test_keras_drop_in_parity():
         ]
         assert all(ours.parameters[p].kind == inspect.Parameter.KEYWORD_ONLY
                    for p in extra), (name, extra)
+
+
+def test_exports_resolve():
+    assert sorted(keras_dist._EXPORTS) == keras_dist.__all__
+    for name in keras_dist.__all__:
+        assert getattr(keras_dist, name).__name__ == name
