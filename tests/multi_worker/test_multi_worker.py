@@ -29,7 +29,7 @@ def single_device(out_dir, args):
 @pytest.mark.parametrize(
     "options",
     [
-        ["opt=sgd", "bn=0", "spe=1", "input=numpy"],
+        ["opt=sgd", "bn=0", "spe=1", "input=numpy", "val=1"],
         ["opt=adam", "bn=1", "spe=4", "input=numpy"],
         ["opt=adam", "bn=1", "spe=1", "input=dataset"],
     ],
@@ -52,6 +52,8 @@ def test_two_workers_match_one_device(tmp_path, options):
         np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
         np.testing.assert_allclose(got["eval"], ref["eval"], rtol=1e-5)
         np.testing.assert_allclose(got["pred"], ref["pred"], atol=TOL)
+        if "val=1" in options:
+            np.testing.assert_allclose(got["val_loss"], ref["val_loss"], rtol=1e-5)
     # Every worker called save(); only the chief's file was kept, and the
     # other worker's scratch copy is gone.
     assert (tmp_path / "mw" / "model.keras").exists()

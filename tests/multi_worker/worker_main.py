@@ -74,8 +74,12 @@ if scenario == "train":
 
         callbacks.append(Crash())
     if source == "numpy":
+        validation = (x, y) if opts.get("val") == "1" else None
         history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False,
-                            verbose=0, callbacks=callbacks)
+                            verbose=0, callbacks=callbacks,
+                            validation_data=validation)
+        if validation is not None:
+            results["val_loss"] = np.array(history.history["val_loss"])
     else:
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
         history = model.fit(ds, epochs=2, verbose=0, callbacks=callbacks)
