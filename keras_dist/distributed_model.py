@@ -294,8 +294,9 @@ class DistributedModel(keras.Model):
             strategy, x, batch_size, per_replica_batch_size
         )
         if validation_batch_size is not None:
+            # Keras uses it for in-memory validation data only.
             _data.global_batch_size(
-                strategy, x, validation_batch_size, None, "validation_batch_size"
+                strategy, None, validation_batch_size, None, "validation_batch_size"
             )
         if validation_split and validation_data is None and _data.is_array_structure(x):
             (x, y, sample_weight), validation_data = _split(

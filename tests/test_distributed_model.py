@@ -337,6 +337,15 @@ def test_bad_batch_sizes_fail_before_training(kwargs, error, pattern):
     assert max_abs_diff(model.get_weights(), before) == 0
 
 
+def test_bad_validation_batch_size():
+    model = compiled()
+    x, y = regression_data()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    with pytest.raises(ValueError, match="validation_batch_size=6"):
+        model.fit(ds, validation_data=(x, y), validation_batch_size=6, verbose=0)
+    assert model.optimizer.iterations.numpy() == 0
+
+
 def test_bad_batch_size_in_evaluate_and_predict():
     model = compiled()
     x, y = regression_data()
