@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import tensorflow as tf
 
@@ -111,35 +109,110 @@ def is_array_structure(value) -> bool:
 
 
 def agreed_seed(strategy: tf.distribute.Strategy) -> int:
-    """A random seed drawn by the chief and shared with every worker."""
-    local = random.SystemRandom().randrange(1, 2**31 - 1)
+    """A shuffle seed drawn by the chief and shared with every worker.
+
+    Drawn from NumPy's global generator, so `keras.utils.set_random_seed`
+    makes it reproducible.
+    """
+    local = int(np.random.randint(1, 2**31 - 1))
+    if not _keras_compat.is_multi_worker(strategy):
+        return local
     chief = worker_info(strategy).is_chief
-
-    def contribution():
-        context = tf.distribute.get_replica_context()
-        first = tf.equal(context.replica_id_in_sync_group, 0)
-        value = tf.constant(local if chief else 0, tf.int64)
-        return tf.where(first, value, tf.zeros_like(value))
-
-    seed = strategy.reduce(
-        "SUM", strategy.run(tf.function(contribution)), axis=None
-    )
-    return int(seed.numpy())
+    return agree_sum(strategy, [local if chief else 0])[0]
 
 
-def shardable_arrays(strategy, x, y, sample_weight, batch_size, shuffle):
-    """Turns in-memory arrays into a dataset every worker orders alike.
+_AGREE_FUNCTIONS: dict = {}
 
-    Under `MultiWorkerMirroredStrategy` each worker keeps its own share of
-    every global batch (auto-shard policy DATA). That is exact only if all
-    workers shuffle identically, which Keras' array adapter does not
-    guarantee (an unseeded `tf.random.shuffle` per worker). Here the chief
-    draws the shuffle seed and every worker uses it.
 
-    Returns None when the inputs are not plain arrays or no multi-worker
-    strategy is in use; then Keras' own adapters are used.
+def agree_sum(strategy: tf.distribute.Strategy, values) -> list[int]:
+    """Sums integer `values` over the workers (one collective).
+
+    Each worker's first replica contributes its values; every worker gets
+    the totals. Without multiple workers the values come back unchanged.
     """
     if not _keras_compat.is_multi_worker(strategy):
+        return [int(v) for v in values]
+    key = (id(strategy), len(values))
+    function = _AGREE_FUNCTIONS.get(key)
+    if function is None:
+
+        @tf.function
+        def contribution(local):
+            context = tf.distribute.get_replica_context()
+            first = tf.equal(context.replica_id_in_sync_group, 0)
+            return tf.where(first, local, tf.zeros_like(local))
+
+        def function(local):
+            return strategy.reduce(
+                "SUM", strategy.run(contribution, args=(local,)), axis=None
+            )
+
+        _AGREE_FUNCTIONS[key] = function
+    total = function(tf.constant([int(v) for v in values], tf.int64))
+    return [int(v) for v in total.numpy()]
+
+
+class DataCursor:
+    """Where `fit` stands in its training input.
+
+    `created` counts the iterators fit created on the input in this process
+    (a seeded shuffle orders each pass by that count) and `consumed` the
+    batches trained from the newest one. `persistent` is True when Keras
+    keeps one iterator across epochs (`steps_per_epoch` given).
+    """
+
+    def __init__(self, kind: str, persistent: bool):
+        self.kind = kind  # "arrays", "dataset" or "other"
+        self.persistent = persistent
+        self.created = 0
+        self.consumed = 0
+        self.dataset = None
+
+    def on_iterator_created(self) -> None:
+        self.created += 1
+        self.consumed = 0
+
+    def advance_to(self, created: int) -> bool:
+        """Creates and drops iterators until `created` exist (False: past)."""
+        if self.created > created or self.dataset is None:
+            return self.created == created
+        while self.created < created:
+            iter(self.dataset)
+            self.on_iterator_created()
+        return True
+
+
+def input_kind(x) -> str:
+    if is_array_structure(x):
+        return "arrays"
+    if isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
+        return "dataset"
+    return "other"
+
+
+def array_dataset(strategy, x, y, sample_weight, batch_size, shuffle, seed):
+    """Turns in-memory arrays into a dataset with a reproducible order.
+
+    Each pass is shuffled with `seed` and the number of passes started
+    before (`reshuffle_each_iteration`), so a resumed run that recreates as
+    many iterators sees the same order. Under `MultiWorkerMirroredStrategy`
+    each worker keeps its own share of every global batch (auto-shard policy
+    DATA), which is exact because every worker uses the agreed seed.
+
+    Keras' own adapter is kept (None is returned) for unshuffled arrays on
+    one worker, and for non-array inputs. Keras 3.15's adapter draws the same
+    permutation every epoch once `keras.utils.set_random_seed` is called, and
+    a different, unrecorded one per worker otherwise.
+    """
+    multi_worker = _keras_compat.is_multi_worker(strategy)
+    if not shuffle and not multi_worker:
+        return None
+    if shuffle == "batch":
+        if multi_worker:
+            raise ValueError(
+                'shuffle="batch" is not supported under multi-worker '
+                'training. Received: shuffle="batch". Use shuffle=True.'
+            )
         return None
     data = (x,) if y is None else (x, y)
     if sample_weight is not None:
@@ -150,13 +223,8 @@ def shardable_arrays(strategy, x, y, sample_weight, batch_size, shuffle):
     tensors = tf.nest.map_structure(tf.convert_to_tensor, data)
     indices = tf.data.Dataset.range(num_samples)
     if shuffle:
-        if shuffle == "batch":
-            raise ValueError(
-                'shuffle="batch" is not supported under multi-worker '
-                'training. Received: shuffle="batch". Use shuffle=True.'
-            )
         indices = indices.shuffle(
-            num_samples, seed=agreed_seed(strategy), reshuffle_each_iteration=True
+            num_samples, seed=seed, reshuffle_each_iteration=True
         )
     dataset = indices.batch(batch_size).map(
         lambda i: tf.nest.map_structure(lambda t: tf.gather(t, i), tensors),

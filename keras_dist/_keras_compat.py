@@ -22,12 +22,18 @@ pieces for `DistributedModel` only, without patching Keras globally:
    replica's local gradients; replicas are made to agree (see
    `agree_on_finite`), which also keeps MultiWorkerMirroredStrategy from
    hanging.
+6. `BackupAndRestore` resumes an interrupted run: it sets the epoch Keras'
+   fit starts from (`model._initial_epoch`, read after `on_train_begin`),
+   saves Keras' global SeedGenerator, and counts the iterators fit creates
+   on the training input (`TFEpochIterator`) so that a seeded shuffle is
+   positioned exactly.
 
 Tested against the Keras versions in `TESTED_KERAS_VERSIONS`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
 import warnings
 
@@ -293,3 +299,63 @@ def restore_dtypes(outputs, dtypes):
         outputs,
         dtypes.outputs,
     )
+
+
+# -- BackupAndRestore touch points -------------------------------------------
+
+
+def set_initial_epoch(model, epoch: int | None) -> None:
+    """Keras' fit reads `model._initial_epoch` after `on_train_begin`."""
+    model._initial_epoch = epoch
+
+
+def global_seed_variables() -> list:
+    """The state of Keras' global SeedGenerator (unseeded `keras.random`)."""
+    from keras.src.backend.common import global_state
+
+    generator = global_state.get_global_attribute("global_seed_generator")
+    return [generator.state] if generator is not None else []
+
+
+class _CountingDataset:
+    """Stands in for the training `DistributedDataset` Keras iterates."""
+
+    def __init__(self, dataset, cursor):
+        self._dataset = dataset
+        self._cursor = cursor
+
+    def __iter__(self):
+        self._cursor.on_iterator_created()
+        return iter(self._dataset)
+
+    def __getattr__(self, name):
+        return getattr(self._dataset, name)
+
+
+@contextlib.contextmanager
+def counting_train_iterator(cursor):
+    """Counts the iterators `fit` creates on its training input.
+
+    The order of a seeded shuffle (`Dataset.shuffle(seed=...)`) depends on
+    how many iterators were created on the dataset before; Keras' epoch
+    iterator creates them at a version-specific rhythm. Counting them lets a
+    resumed run create the same number before it trains. Only the first
+    `TFEpochIterator` of the `fit` call (the training one) is counted.
+    """
+    original = keras_tf_trainer.TFEpochIterator.__init__
+    seen = []
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if not seen:
+            seen.append(self)
+            cursor.dataset = self._distributed_dataset
+            self._distributed_dataset = _CountingDataset(
+                self._distributed_dataset, cursor
+            )
+
+    keras_tf_trainer.TFEpochIterator.__init__ = init
+    try:
+        yield
+    finally:
+        keras_tf_trainer.TFEpochIterator.__init__ = original

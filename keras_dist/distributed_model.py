@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -303,36 +304,68 @@ class DistributedModel(keras.Model):
                 (x, y, sample_weight), validation_split
             )
             validation_split = 0.0
-        dataset = _data.shardable_arrays(
-            strategy, x, y, sample_weight, batch_size, shuffle
+        backup = _find_backup(callbacks)
+        global_batch = batch_size
+        cursor = _data.DataCursor(
+            _data.input_kind(x), persistent=steps_per_epoch is not None
         )
+        num_samples = (
+            int(tf.nest.flatten(x)[0].shape[0]) if cursor.kind == "arrays" else None
+        )
+        resumed = backup._kd_select(strategy) if backup is not None else None
+        dataset = None
+        if cursor.kind == "arrays":
+            seed = None
+            if shuffle and shuffle != "batch":
+                seed = (resumed or {}).get("data", {}).get("seed")
+                seed = seed or _data.agreed_seed(strategy)
+            dataset = _data.array_dataset(
+                strategy, x, y, sample_weight, batch_size, shuffle, seed
+            )
+            if dataset is None and shuffle:
+                cursor.kind = "other"  # Keras' own, unrecorded shuffle
+            cursor.seed = seed
         if dataset is not None:
-            # Shuffled already, with the seed every worker agreed on.
+            # Shuffled already, with a seed every worker agreed on.
             x, y, sample_weight, batch_size = dataset, None, None, None
             shuffle = False
         if validation_data is not None:
             validation_data = self._kd_eval_dataset(
                 validation_data, validation_batch_size or batch_size or 32
             )
-        with _scope(strategy):
-            return super().fit(
-                x=x,
-                y=y,
-                batch_size=batch_size,
-                epochs=epochs,
-                verbose=self._kd_verbose(verbose),
-                callbacks=callbacks,
-                validation_split=validation_split,
-                validation_data=validation_data,
-                shuffle=shuffle,
-                class_weight=class_weight,
-                sample_weight=sample_weight,
-                initial_epoch=initial_epoch,
-                steps_per_epoch=steps_per_epoch,
-                validation_steps=validation_steps,
-                validation_batch_size=None if dataset is not None else validation_batch_size,
-                validation_freq=validation_freq,
-            )
+        self._kd_fit_context = _FitContext(
+            callbacks=list(callbacks or []),
+            cursor=cursor,
+            num_samples=num_samples,
+            batch_size=global_batch,
+            steps_per_epoch=steps_per_epoch,
+        )
+        try:
+            with _scope(strategy), _keras_compat.counting_train_iterator(cursor):
+                return super().fit(
+                    x=x,
+                    y=y,
+                    batch_size=batch_size,
+                    epochs=epochs,
+                    verbose=self._kd_verbose(verbose),
+                    callbacks=callbacks,
+                    validation_split=validation_split,
+                    validation_data=validation_data,
+                    shuffle=shuffle,
+                    class_weight=class_weight,
+                    sample_weight=sample_weight,
+                    initial_epoch=initial_epoch,
+                    steps_per_epoch=steps_per_epoch,
+                    validation_steps=validation_steps,
+                    validation_batch_size=(
+                        None if dataset is not None else validation_batch_size
+                    ),
+                    validation_freq=validation_freq,
+                )
+        finally:
+            self._kd_fit_context = None
+            if backup is not None:
+                backup._kd_release()
 
     def _kd_verbose(self, verbose):
         """Progress output comes from the chief only."""
@@ -369,8 +402,8 @@ class DistributedModel(keras.Model):
             batch_size = _data.global_batch_size(
                 strategy, x, batch_size, per_replica_batch_size
             )
-            dataset = _data.shardable_arrays(
-                strategy, x, y, sample_weight, batch_size, False
+            dataset = _data.array_dataset(
+                strategy, x, y, sample_weight, batch_size, False, None
             )
             if dataset is not None:
                 x, y, sample_weight, batch_size = dataset, None, None, None
@@ -405,7 +438,7 @@ class DistributedModel(keras.Model):
         batch_size = _data.global_batch_size(
             strategy, x, batch_size, per_replica_batch_size
         )
-        dataset = _data.shardable_arrays(strategy, x, None, None, batch_size, False)
+        dataset = _data.array_dataset(strategy, x, None, None, batch_size, False, None)
         if dataset is not None:
             x, batch_size = dataset, None
         with _scope(strategy):
@@ -454,6 +487,29 @@ class DistributedModel(keras.Model):
         if not self._kd_sync_batch_norm:
             config["sync_batch_norm"] = False
         return config
+
+
+@dataclasses.dataclass
+class _FitContext:
+    """What `fit` knows and its callbacks cannot see (for BackupAndRestore)."""
+
+    callbacks: list
+    cursor: _data.DataCursor
+    num_samples: int | None
+    batch_size: int | None
+    steps_per_epoch: int | None
+
+
+def _find_backup(callbacks):
+    from keras_dist.callbacks.backup_and_restore import BackupAndRestore
+
+    found = [c for c in callbacks or [] if isinstance(c, BackupAndRestore)]
+    if len(found) > 1:
+        raise ValueError(
+            "Argument `callbacks` holds more than one BackupAndRestore. "
+            f"Received: {len(found)} of them. Pass a single one."
+        )
+    return found[0] if found else None
 
 
 def _off_strategy(variables, strategy) -> bool:

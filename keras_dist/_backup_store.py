@@ -1,0 +1,192 @@
+"""Atomic, verified backup directories for `BackupAndRestore`.
+
+Layout of `backup_dir` (only the chief's copy persists)::
+
+    backup-00000007/          one committed backup
+        variables.index       tf.train.Checkpoint of every variable
+        variables.data-*
+        state.json            epoch, step, data position, callback states
+        arrays.npz            large callback state (EarlyStopping weights)
+        MANIFEST.json         size and sha256 of every file above
+    latest                    name of the newest committed backup
+    .tmp-backup-00000008-*/   a backup being written (never read)
+
+A backup is written under a temporary name, every file is fsynced, the
+directory is renamed into place, then `latest` is replaced atomically. Older
+backups are pruned only after a newer one is committed. On restore the
+newest backup whose manifest verifies is used; a damaged one is reported by
+file and skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+
+MANIFEST = "MANIFEST.json"
+STATE = "state.json"
+POINTER = "latest"
+PREFIX = "backup-"
+TMP_PREFIX = ".tmp-"
+_NAME = re.compile(r"^backup-(\d{8})$")
+
+
+class CorruptBackupError(Exception):
+    """A backup that fails verification; `path` names the bad file."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+def backup_name(sequence: int) -> str:
+    return f"{PREFIX}{sequence:08d}"
+
+
+def sequence_of(name: str) -> int | None:
+    match = _NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+def list_backups(backup_dir: str) -> list[int]:
+    """Sequence numbers of committed backups, newest first."""
+    if not os.path.isdir(backup_dir):
+        return []
+    found = [sequence_of(n) for n in os.listdir(backup_dir)]
+    return sorted((s for s in found if s is not None), reverse=True)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str, payload) -> None:
+    """Writes JSON to `path` through a temporary file, fsync and rename."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def seal(directory: str) -> dict:
+    """fsyncs every file of `directory` and writes its manifest."""
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name == MANIFEST or not os.path.isfile(path):
+            continue
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+        files[name] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+    manifest = {"format": 1, "files": files}
+    write_json(os.path.join(directory, MANIFEST), manifest)
+    fsync_dir(directory)
+    return manifest
+
+
+def commit(tmp_dir: str, backup_dir: str, sequence: int) -> str:
+    """Renames a sealed backup into place, then points `latest` at it."""
+    final = os.path.join(backup_dir, backup_name(sequence))
+    if os.path.exists(final):  # a stale copy from a run that crashed later
+        shutil.rmtree(final)
+    os.rename(tmp_dir, final)
+    fsync_dir(backup_dir)
+    tmp_pointer = os.path.join(backup_dir, f"{POINTER}.tmp-{os.getpid()}")
+    with open(tmp_pointer, "w") as f:
+        f.write(backup_name(sequence) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp_pointer, os.path.join(backup_dir, POINTER))
+    fsync_dir(backup_dir)
+    return final
+
+
+def prune(backup_dir: str, keep: int) -> None:
+    """Deletes all but the newest `keep` committed backups."""
+    for sequence in list_backups(backup_dir)[keep:]:
+        shutil.rmtree(os.path.join(backup_dir, backup_name(sequence)), ignore_errors=True)
+
+
+def remove_stale_tmp(backup_dir: str) -> None:
+    """Removes half-written backups left by a process that died saving."""
+    if not os.path.isdir(backup_dir):
+        return
+    for name in os.listdir(backup_dir):
+        if name.startswith(TMP_PREFIX) or name.startswith(f"{POINTER}.tmp-"):
+            path = os.path.join(backup_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
+
+
+def verify(directory: str) -> dict:
+    """Checks a backup against its manifest and returns its parsed state.
+
+    Raises:
+        CorruptBackupError: naming the first missing, truncated, altered or
+            unparsable file.
+    """
+    manifest_path = os.path.join(directory, MANIFEST)
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+        if not isinstance(files, dict) or STATE not in files:
+            raise ValueError("no file list")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CorruptBackupError(manifest_path, f"unreadable manifest ({error})") from None
+    for name, expected in sorted(files.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise CorruptBackupError(path, "missing")
+        size = os.path.getsize(path)
+        if size != expected.get("bytes"):
+            raise CorruptBackupError(
+                path, f"{size} bytes, expected {expected.get('bytes')} (truncated?)"
+            )
+        if _sha256(path) != expected.get("sha256"):
+            raise CorruptBackupError(path, "checksum mismatch (corrupted)")
+    state_path = os.path.join(directory, STATE)
+    try:
+        with open(state_path) as f:
+            return json.load(f)
+    except ValueError as error:
+        raise CorruptBackupError(state_path, f"invalid JSON ({error})") from None
+
+
+def delete_all(backup_dir: str) -> None:
+    """Removes every file this module wrote, then the directory if empty."""
+    if not os.path.isdir(backup_dir):
+        return
+    for sequence in list_backups(backup_dir):
+        shutil.rmtree(os.path.join(backup_dir, backup_name(sequence)), ignore_errors=True)
+    remove_stale_tmp(backup_dir)
+    pointer = os.path.join(backup_dir, POINTER)
+    if os.path.exists(pointer):
+        os.remove(pointer)
+    try:
+        os.rmdir(backup_dir)
+    except OSError:
+        pass  # the user keeps other files there

@@ -1,0 +1,724 @@
+"""`BackupAndRestore`: exact, atomic, multi-worker-safe training backups."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Literal
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_dist import _backup_store as store
+from keras_dist import _data
+from keras_dist import _keras_compat
+from keras_dist.strategy import worker_info
+
+PREEMPTED_EXIT_CODE = 42
+"""Exit status of a process that saved a backup on a preemption signal."""
+
+_FORMAT = 1
+_UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
+
+# Attributes of Keras' stateful callbacks that a resumed run needs. Callbacks
+# that define `get_state()` / `set_state(state)` are saved through those.
+_KERAS_CALLBACK_STATE = {
+    keras.callbacks.EarlyStopping: ("wait", "stopped_epoch", "best", "best_epoch"),
+    keras.callbacks.ReduceLROnPlateau: ("wait", "cooldown_counter", "best"),
+    keras.callbacks.ModelCheckpoint: (
+        "best",
+        "_batches_seen_since_last_saving",
+        "_last_batch_seen",
+    ),
+}
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Backs up training so that a killed or preempted job resumes exactly.
+
+    A drop-in for `keras.callbacks.BackupAndRestore` (same positional
+    arguments). A backup holds the model, optimizer and metric variables,
+    Keras' random seed states, the epoch and step, the input's position and
+    the state of the other stateful callbacks of the same `fit`
+    (`EarlyStopping`, `ReduceLROnPlateau`, `ModelCheckpoint`, and any
+    callback with `get_state()`/`set_state()`). A restarted `fit` with the
+    same arguments continues at the step after the last backup, on the same
+    data: with `DistributedModel` (or `keras_dist.distribute(model)`), numpy
+    inputs with `shuffle=True` and seeded `tf.data` pipelines resume with the
+    weights an uninterrupted run would reach.
+
+    Backups are atomic (written under a temporary name, fsynced, renamed,
+    then pointed to by `latest`) and verified: each records the size and
+    sha256 of its files, and a damaged backup is skipped, with a warning
+    naming the bad file, in favour of the previous one. Under
+    `MultiWorkerMirroredStrategy` every worker takes part in each save, only
+    the chief's files persist, and all workers restore the same backup.
+
+    On a preemption signal (SIGTERM by default) the workers agree on the next
+    step boundary, save there and exit with status `PREEMPTED_EXIT_CODE`
+    (42), for `keras-dist launch --max-restarts` or a scheduler's requeue to
+    resume. A second signal of the same kind is handled as if the callback
+    were absent.
+
+    Args:
+        backup_dir: String, path of the directory that holds the backups.
+            Created if missing. Use a directory no other run writes to.
+        save_freq: `"epoch"` (default) to back up after each epoch, or a
+            positive integer to back up every that many batches (rounded up
+            to a whole `steps_per_execution`).
+        double_checkpoint: Boolean, kept for parity with Keras: keep the
+            previous backup as a fallback. Always the case here unless
+            `max_to_keep=1`, which it then rejects.
+        delete_checkpoint: Boolean, default True: delete the backups when
+            training ends normally (the chief deletes them).
+        max_to_keep: Positive integer, default 2: how many committed backups
+            to keep. A backup is deleted only after a newer one is committed.
+        save_every_seconds: Optional positive number: also back up at the
+            first step boundary after this many seconds since the last
+            backup (agreed across workers).
+        preemption_signals: Signals that trigger a save-and-exit at the next
+            step boundary, default `(signal.SIGTERM,)`. `None` or `()`
+            disables it. Handlers are installed from the main thread only.
+
+    Example:
+
+    >>> import tempfile
+    >>> import numpy as np
+    >>> import keras
+    >>> import keras_dist
+    >>> from keras_dist.callbacks import BackupAndRestore
+    >>> model = keras_dist.distribute(
+    ...     keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+    ...     strategy="default")
+    >>> model.compile("sgd", "mse")
+    >>> backup = BackupAndRestore(tempfile.mkdtemp(), save_freq=2)
+    >>> history = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=2,
+    ...                     epochs=2, callbacks=[backup], verbose=0)
+    >>> len(history.history["loss"])
+    2
+
+    Raises:
+        ValueError: for an invalid argument value (in the constructor); for
+            a `backup_dir` that is not a writable directory, or a backup
+            whose variables do not match the model (in `on_train_begin`,
+            before any training step).
+        TypeError: for an argument of the wrong type.
+    """
+
+    PREEMPTED_EXIT_CODE = PREEMPTED_EXIT_CODE
+
+    def __init__(
+        self,
+        backup_dir: str | os.PathLike,
+        save_freq: Literal["epoch"] | int = "epoch",
+        double_checkpoint: bool = False,
+        delete_checkpoint: bool = True,
+        *,
+        max_to_keep: int = 2,
+        save_every_seconds: float | None = None,
+        preemption_signals: Sequence[int] | None = (signal.SIGTERM,),
+    ):
+        super().__init__()
+        if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
+            raise (ValueError if isinstance(backup_dir, str) else TypeError)(
+                "Invalid value for argument `backup_dir`. Expected a non-empty "
+                f"path. Received: backup_dir={backup_dir!r}"
+            )
+        if save_freq != "epoch" and (
+            not isinstance(save_freq, (int, np.integer))
+            or isinstance(save_freq, bool)
+            or save_freq <= 0
+        ):
+            raise ValueError(
+                "Invalid value for argument `save_freq`. Expected \"epoch\" or "
+                f"a positive integer. Received: save_freq={save_freq!r}"
+            )
+        for name, value in (
+            ("double_checkpoint", double_checkpoint),
+            ("delete_checkpoint", delete_checkpoint),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"Invalid type for argument `{name}`. Expected a bool. "
+                    f"Received: {name}={value!r}"
+                )
+        if (
+            not isinstance(max_to_keep, (int, np.integer))
+            or isinstance(max_to_keep, bool)
+            or max_to_keep <= 0
+        ):
+            raise ValueError(
+                "Invalid value for argument `max_to_keep`. Expected a positive "
+                f"integer. Received: max_to_keep={max_to_keep!r}"
+            )
+        if double_checkpoint and max_to_keep < 2:
+            raise ValueError(
+                "Arguments `double_checkpoint=True` and `max_to_keep` conflict: "
+                "a fallback backup needs max_to_keep >= 2. Received: "
+                f"max_to_keep={max_to_keep}"
+            )
+        if save_every_seconds is not None and (
+            not isinstance(save_every_seconds, (int, float))
+            or isinstance(save_every_seconds, bool)
+            or not save_every_seconds > 0
+        ):
+            raise ValueError(
+                "Invalid value for argument `save_every_seconds`. Expected None "
+                f"or a positive number. Received: save_every_seconds={save_every_seconds!r}"
+            )
+        signals = []
+        for value in preemption_signals or ():
+            try:
+                sig = signal.Signals(value)
+            except (ValueError, TypeError):
+                raise ValueError(
+                    "Invalid value for argument `preemption_signals`. Expected "
+                    f"signal numbers such as signal.SIGTERM. Received: {value!r}"
+                ) from None
+            if sig in _UNCATCHABLE:
+                raise ValueError(
+                    "Invalid value for argument `preemption_signals`: "
+                    f"{sig.name} cannot be caught. Received: {value!r}. Use "
+                    "SIGTERM, SIGUSR1 or another catchable signal."
+                )
+            signals.append(sig)
+        # Configuration: survives across fit() calls.
+        self.backup_dir = os.fspath(backup_dir)
+        self.save_freq = save_freq
+        self.double_checkpoint = double_checkpoint
+        self.delete_checkpoint = delete_checkpoint
+        self.max_to_keep = int(max_to_keep)
+        self.save_every_seconds = save_every_seconds
+        self.preemption_signals = tuple(signals)
+        self._selected = None  # chosen backup, from selection to end of fit
+        self._reset_run()
+
+    # -- per-run state (reset at the start and end of every fit) -----------
+
+    def _reset_run(self) -> None:
+        self._strategy = None
+        self._chief = True
+        self._multi_worker = False
+        self._context = None
+        self._cursor = None
+        self._sequence = 0
+        self._epoch = 0
+        self._step = 0  # batches done in the current epoch
+        self._begin = 0
+        self._since_save = 0
+        self._last_save_time = time.monotonic()
+        self._pending_epoch_save = False
+        self._resume = None  # state of the restored backup until applied
+        self._skip_calls = 0
+        self._skip_extra = 0
+        self._skipped_last_call = False
+        self._original_train_function = None
+        self._signal_event = threading.Event()
+        self._previous_handlers = {}
+        self._warned = set()
+        self._in_fit = False
+
+    # -- selection and restore ---------------------------------------------
+
+    def _check_dir(self) -> None:
+        path = self.backup_dir
+        try:
+            if self._chief:
+                os.makedirs(path, exist_ok=True)
+                probe = tempfile.NamedTemporaryFile(dir=path, prefix=".probe-")
+                probe.close()
+            elif os.path.exists(path) and not os.path.isdir(path):
+                raise NotADirectoryError(path)
+        except OSError as error:
+            raise ValueError(
+                "Invalid value for argument `backup_dir`: it must be a "
+                f"writable directory. Received: backup_dir={path!r} "
+                f"({type(error).__name__}: {error.strerror or error}). Pass a "
+                "directory path this process can create and write."
+            ) from None
+
+    def _kd_select(self, strategy):
+        """Chooses (once per fit) the backup to restore; None when none."""
+        self._strategy = strategy
+        info = worker_info(strategy)
+        self._chief = info.is_chief
+        self._multi_worker = _keras_compat.is_multi_worker(strategy)
+        if self._selected is not None:
+            return self._selected[1]
+        self._check_dir()
+        chosen = 0
+        if self._chief:
+            store.remove_stale_tmp(self.backup_dir)
+            for sequence in store.list_backups(self.backup_dir):
+                directory = os.path.join(self.backup_dir, store.backup_name(sequence))
+                try:
+                    store.verify(directory)
+                except store.CorruptBackupError as error:
+                    warnings.warn(
+                        f"BackupAndRestore: skipping damaged backup {directory}: "
+                        f"{error.path}: {error.reason}. Trying the previous one.",
+                        stacklevel=2,
+                    )
+                    continue
+                chosen = sequence
+                break
+        chosen = _data.agree_sum(strategy, [chosen])[0]
+        state = None
+        if chosen:
+            directory = os.path.join(self.backup_dir, store.backup_name(chosen))
+            try:
+                state = store.verify(directory)
+            except store.CorruptBackupError as error:
+                raise ValueError(
+                    f"BackupAndRestore: worker {info.rank} cannot read the "
+                    f"backup the chief chose ({error}). Give every worker the "
+                    "same (shared) `backup_dir`."
+                ) from None
+        # Later saves continue the numbering past every backup on disk.
+        existing = store.list_backups(self.backup_dir) if self._chief else []
+        newest = _data.agree_sum(strategy, [existing[0] if existing else 0])[0]
+        self._selected = (chosen, state, newest)
+        return state
+
+    def _kd_release(self) -> None:
+        """Undoes what a fit that did not reach `on_train_end` left behind."""
+        self._restore_handlers()
+        self._unwrap_train_function()
+        self._selected = None
+
+    def _groups(self) -> dict:
+        model = self.model
+        optimizer = model.optimizer
+        if optimizer is not None and not optimizer.built and model.built:
+            optimizer.build(model.trainable_variables)
+        return {
+            "model": list(model.variables) + _keras_compat.global_seed_variables(),
+            "optimizer": list(optimizer.variables) if optimizer is not None else [],
+            "metrics": list(model.metrics_variables),
+        }
+
+    @staticmethod
+    def _describe(variables) -> list:
+        return [[v.path, list(v.shape), str(v.dtype)] for v in variables]
+
+    def _check_compatible(self, saved: dict, groups: dict) -> None:
+        """Variables are matched by position, shape and dtype.
+
+        Paths carry Keras' auto-numbered names (`dense_3`), which differ
+        between two models built in one process, so they only serve to name
+        the variables in the error.
+        """
+        problems = []
+        for group in ("model", "optimizer"):
+            ours = self._describe(groups[group])
+            theirs = [list(d) for d in saved.get(group, [])]
+            if [d[1:] for d in ours] == [d[1:] for d in theirs]:
+                continue
+            gone = sorted({_generic(d[0]) for d in theirs} - {_generic(d[0]) for d in ours})
+            new = sorted({_generic(d[0]) for d in ours} - {_generic(d[0]) for d in theirs})
+            detail = [f"{group}: the backup has {len(theirs)} variables, the model {len(ours)}"]
+            if gone:
+                detail.append("only in the backup: " + _shorten(gone))
+            if new:
+                detail.append("only in the model: " + _shorten(new))
+            differ = [
+                f"{o[0]} (model {o[1]} {o[2]}, backup {t[1]} {t[2]})"
+                for o, t in zip(ours, theirs)
+                if o[1:] != t[1:]
+            ]
+            if differ and not (gone or new):
+                detail.append("different shape or dtype: " + _shorten(differ))
+            problems.append("; ".join(detail))
+        if problems:
+            raise ValueError(
+                "BackupAndRestore: the backup in "
+                f"{self.backup_dir!r} was written by a different model. "
+                + ". ".join(problems)
+                + ". Restore it into the model that wrote it, or point "
+                "`backup_dir` at an empty directory to start over."
+            )
+
+    def _restore(self, state: dict, sequence: int) -> None:
+        groups = self._groups()
+        saved = state["variables"]
+        self._check_compatible(saved, groups)
+        directory = os.path.join(self.backup_dir, store.backup_name(sequence))
+        checkpoint = tf.train.Checkpoint(
+            model=groups["model"], optimizer=groups["optimizer"]
+        )
+        checkpoint.read(os.path.join(directory, "variables")).expect_partial()
+        self._warn_changes(state.get("fit", {}))
+        self._resume = state
+        self._resume_dir = directory
+        position = state["position"]
+        _keras_compat.set_initial_epoch(self.model, position["epoch"])
+        spe = max(1, int(self.model.steps_per_execution or 1))
+        step = int(position["step"])
+        self._skip_calls = math.ceil(step / spe)
+        if position.get("persistent"):
+            self._skip_extra = max(0, int(position["consumed"]) - step)
+        if step % spe:
+            self._warn_once(
+                "spe",
+                f"BackupAndRestore: the backup stopped at step {step}, not a "
+                f"multiple of steps_per_execution={spe}; the resumed epoch "
+                f"restarts at step {self._skip_calls * spe}.",
+            )
+        if self._skip_calls or self._skip_extra:
+            self._wrap_train_function()
+        if self._chief:
+            print(
+                f"BackupAndRestore: restored {directory} (epoch {position['epoch'] + 1}, "
+                f"step {step})",
+                flush=True,
+            )
+
+    def _warn_changes(self, saved: dict) -> None:
+        current = self._fit_signature()
+        changes = [
+            f"{key} {saved[key]} -> {current[key]}"
+            for key in sorted(current)
+            if saved.get(key) is not None
+            and current[key] is not None
+            and saved[key] != current[key]
+        ]
+        if changes:
+            self._warn_once(
+                "changes",
+                "BackupAndRestore: this fit differs from the backed-up run ("
+                + ", ".join(changes)
+                + "); the resumed run will not match an uninterrupted one.",
+            )
+
+    def _fit_signature(self) -> dict:
+        context = self._context
+        return {
+            "epochs": self.params.get("epochs"),
+            "steps_per_epoch": self.params.get("steps"),
+            "num_samples": getattr(context, "num_samples", None),
+            "batch_size": getattr(context, "batch_size", None),
+            "steps_per_execution": int(self.model.steps_per_execution or 1),
+        }
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned and self._chief:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=3)
+
+    # -- skipping the batches already trained ------------------------------
+
+    def _wrap_train_function(self) -> None:
+        original = self.model.train_function
+        self._original_train_function = original
+        spe = max(1, int(self.model.steps_per_execution or 1))
+
+        def consume(iterator, count):
+            for _ in range(count):
+                next(iterator)
+            self._cursor.consumed += count
+
+        def skipping(iterator):
+            if self._skip_extra:
+                extra, self._skip_extra = self._skip_extra, 0
+                consume(iterator, extra)
+            if self._skip_calls:
+                self._skip_calls -= 1
+                self._skipped_last_call = True
+                consume(iterator, spe)
+                if not self._skip_calls:
+                    self._unwrap_train_function()
+                return self.model.get_metrics_result()
+            self._skipped_last_call = False
+            self._unwrap_train_function()
+            return original(iterator)
+
+        self.model.train_function = skipping
+
+    def _unwrap_train_function(self) -> None:
+        if self._original_train_function is not None:
+            self.model.train_function = self._original_train_function
+            self._original_train_function = None
+
+    # -- preemption signals --------------------------------------------------
+
+    def _install_handlers(self) -> None:
+        if not self.preemption_signals:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            self._warn_once(
+                "thread",
+                "BackupAndRestore: fit runs outside the main thread, so "
+                "preemption signals cannot be handled; backups still follow "
+                "`save_freq`.",
+            )
+            return
+        for sig in self.preemption_signals:
+            self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._signal_event.is_set():
+            # A second signal: behave as if the callback were not there.
+            self._restore_handlers()
+            signal.raise_signal(signum)
+            return
+        self._signal_event.set()
+
+    def _restore_handlers(self) -> None:
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous_handlers = {}
+
+    # -- saving ----------------------------------------------------------------
+
+    def _callback_states(self) -> tuple[dict, dict]:
+        states, arrays = {}, {}
+        for index, callback in enumerate(getattr(self._context, "callbacks", [])):
+            if callback is self:
+                continue
+            key = f"{index}:{type(callback).__name__}"
+            if callable(getattr(callback, "get_state", None)):
+                states[key] = callback.get_state()
+                continue
+            for kind, names in _KERAS_CALLBACK_STATE.items():
+                if isinstance(callback, kind):
+                    states[key] = {n: _plain(getattr(callback, n, None)) for n in names}
+                    weights = getattr(callback, "best_weights", None)
+                    if weights is not None:
+                        for i, w in enumerate(weights):
+                            arrays[f"{key}/best_weights/{i}"] = np.asarray(w)
+                        states[key]["best_weights"] = len(weights)
+        return states, arrays
+
+    def _apply_callback_states(self, state: dict, directory: str) -> None:
+        saved = state.get("callbacks", {})
+        arrays = None
+        for index, callback in enumerate(getattr(self._context, "callbacks", [])):
+            key = f"{index}:{type(callback).__name__}"
+            if callback is self or key not in saved:
+                continue
+            values = dict(saved[key])
+            if callable(getattr(callback, "set_state", None)):
+                callback.set_state(values)
+                continue
+            count = values.pop("best_weights", None)
+            for name, value in values.items():
+                setattr(callback, name, value)
+            if count is not None:
+                if arrays is None:
+                    arrays = np.load(os.path.join(directory, "arrays.npz"))
+                callback.best_weights = [
+                    arrays[f"{key}/best_weights/{i}"] for i in range(count)
+                ]
+
+    def _position(self) -> dict:
+        cursor = self._cursor
+        return {
+            "epoch": self._epoch,
+            "step": self._step,
+            "created": cursor.created,
+            "consumed": cursor.consumed,
+            "persistent": cursor.persistent,
+            "kind": cursor.kind,
+        }
+
+    def _save(self) -> None:
+        groups = self._groups()
+        sequence = self._sequence + 1
+        if self._chief:
+            target = os.path.join(
+                self.backup_dir,
+                f"{store.TMP_PREFIX}{store.backup_name(sequence)}-{os.getpid()}",
+            )
+            if os.path.exists(target):
+                shutil.rmtree(target)
+            os.makedirs(target)
+        else:
+            target = tempfile.mkdtemp(prefix="keras_dist_backup_")
+        try:
+            checkpoint = tf.train.Checkpoint(**groups)
+            checkpoint.write(os.path.join(target, "variables"))
+            callbacks, arrays = self._callback_states()
+            if arrays:
+                np.savez(os.path.join(target, "arrays.npz"), **arrays)
+            state = {
+                "format": _FORMAT,
+                "sequence": sequence,
+                "position": self._position(),
+                "data": {"seed": getattr(self._cursor, "seed", None)},
+                "fit": self._fit_signature(),
+                "variables": {k: self._describe(v) for k, v in groups.items()},
+                "callbacks": callbacks,
+                "time": time.time(),
+            }
+            store.write_json(os.path.join(target, store.STATE), state)
+            if self._chief:
+                store.seal(target)
+                store.commit(target, self.backup_dir, sequence)
+                store.prune(self.backup_dir, self.max_to_keep)
+        finally:
+            if not self._chief or os.path.exists(target):
+                shutil.rmtree(target, ignore_errors=True)
+        self._sequence = sequence
+        self._since_save = 0
+        self._last_save_time = time.monotonic()
+
+    # -- Keras hooks ---------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        self._reset_run()
+        self._in_fit = True
+        context = getattr(self.model, "_kd_fit_context", None)
+        self._context = context
+        self._cursor = context.cursor if context is not None else (
+            _data.DataCursor("unknown", persistent=False)
+        )
+        state = self._kd_select(self.model.distribute_strategy)
+        chosen, _, newest = self._selected
+        self._sequence = newest
+        if state is not None:
+            if state.get("format") != _FORMAT:
+                raise ValueError(
+                    f"BackupAndRestore: backup {chosen} in {self.backup_dir!r} "
+                    f"has format {state.get('format')!r}; this version reads "
+                    f"format {_FORMAT}."
+                )
+            self._restore(state, chosen)
+        self._install_handlers()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._pending_epoch_save:
+            self._pending_epoch_save = False
+            self._epoch, self._step = epoch, 0
+            self._save()
+        self._epoch, self._step = epoch, 0
+        if self._resume is not None:
+            state, self._resume = self._resume, None
+            _keras_compat.set_initial_epoch(self.model, None)
+            self._apply_callback_states(state, self._resume_dir)
+            # Keras resets the metrics just before on_epoch_begin: the
+            # running means of the interrupted epoch are restored now.
+            metrics = list(self.model.metrics_variables)
+            if metrics and self._describe(metrics) == state["variables"].get("metrics"):
+                tf.train.Checkpoint(metrics=metrics).read(
+                    os.path.join(self._resume_dir, "variables")
+                ).expect_partial()
+            self._position_input(state["position"])
+            self._step = 0
+
+    def _position_input(self, position: dict) -> None:
+        step = int(position["step"])
+        if position["epoch"] == 0 and step == 0 and not position.get("persistent"):
+            return
+        kind = self._cursor.kind
+        if self._context is None:
+            self._warn_once(
+                "plain",
+                "BackupAndRestore: with a plain keras.Model the input's order "
+                f"is not tracked; epoch {position['epoch'] + 1} resumes at step "
+                f"{step} by skipping that many batches of a fresh pass over the "
+                "input, which matches the interrupted run only for unshuffled "
+                "input. Use keras_dist.distribute(model) for an exact resume.",
+            )
+            return
+        if kind not in ("arrays", "dataset"):
+            self._warn_once(
+                "kind",
+                "BackupAndRestore: this input (a generator, PyDataset or "
+                "Keras-shuffled arrays) cannot be positioned; epoch "
+                f"{position['epoch'] + 1} resumes at step {step} by skipping "
+                "that many batches of a fresh pass, so some batches may be "
+                "seen twice or not at all.",
+            )
+            return
+        created = int(position["created"])
+        target = created - 1 if (position.get("persistent") or step > 0) else created
+        if not self._cursor.advance_to(target):
+            self._warn_once(
+                "cursor",
+                "BackupAndRestore: the input could not be positioned "
+                f"(iterator {self._cursor.created} already created, backup at "
+                f"{target}); the resumed epoch may see a different order.",
+            )
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._begin = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step = batch + 1
+        if self._skipped_last_call:
+            self._skipped_last_call = False
+            return
+        done = batch - self._begin + 1
+        self._cursor.consumed += done
+        self._since_save += done
+        by_steps = self.save_freq != "epoch" and self._since_save >= self.save_freq
+        timed = bool(
+            self.save_every_seconds
+            and time.monotonic() - self._last_save_time >= self.save_every_seconds
+        )
+        preempted = self._signal_event.is_set()
+        if self._multi_worker and (self.save_every_seconds or self._previous_handlers):
+            timed, preempted = (
+                v > 0 for v in _data.agree_sum(self._strategy, [timed, preempted])
+            )
+        if by_steps or timed or preempted:
+            self._save()
+        if preempted:
+            self._restore_handlers()
+            self._unwrap_train_function()
+            self._selected = None
+            if self._chief:
+                print(
+                    "BackupAndRestore: preemption signal received; backup "
+                    f"saved at epoch {self._epoch + 1}, step {self._step}. "
+                    f"Exiting with status {PREEMPTED_EXIT_CODE}.",
+                    flush=True,
+                )
+            raise SystemExit(PREEMPTED_EXIT_CODE)
+
+    def on_epoch_end(self, epoch, logs=None):
+        # Saved at the next epoch's start, once every callback has updated
+        # its state for this epoch (EarlyStopping may run after us).
+        if self.save_freq == "epoch":
+            self._pending_epoch_save = True
+
+    def on_train_end(self, logs=None):
+        self._restore_handlers()
+        self._unwrap_train_function()
+        if self.delete_checkpoint:
+            if self._chief:
+                store.delete_all(self.backup_dir)
+        elif self._pending_epoch_save or self._since_save:
+            self._epoch, self._step = self._epoch + 1, 0
+            self._cursor.consumed = 0
+            self._save()
+        _keras_compat.set_initial_epoch(self.model, None)
+        self._selected = None
+        self._reset_run()
+
+
+def _generic(path: str) -> str:
+    """A variable path without Keras' auto-numbering (`dense_3` -> `dense`)."""
+    return re.sub(r"_\d+(?=/|$)", "", path)
+
+
+def _shorten(names: list) -> str:
+    return ", ".join(names[:8]) + (f" (and {len(names) - 8} more)" if len(names) > 8 else "")
+
+
+def _plain(value):
+    """JSON-friendly copy of a callback attribute."""
+    if isinstance(value, (np.generic, np.ndarray)):
+        value = value.tolist()
+    if isinstance(value, tf.Tensor):
+        value = value.numpy().tolist()
+    return value
