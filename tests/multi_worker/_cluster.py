@@ -17,12 +17,15 @@ def run_workers(
     num_workers: int = 2,
     timeout: float = 300,
     temp_dirs: list[str] | None = None,
-) -> list[str]:
+    check: bool = True,
+):
     """Runs `script args` on `num_workers` workers; returns their outputs.
 
     `temp_dirs`, if given, become each worker's TMPDIR. Raises
     AssertionError showing every worker's output when any worker fails or
-    the job times out.
+    the job times out. With `check=False` it returns `(exit codes,
+    outputs)` instead, stopping the others once one worker has exited with
+    an error (as a launcher would).
     """
     ports = loopback_ports(num_workers)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
@@ -55,6 +58,12 @@ def run_workers(
             codes = [p.poll() for p in procs]
             if any(c not in (None, 0) for c in codes):
                 failed = "a worker exited with an error"
+                if not check:
+                    # Give the others a moment to finish on their own (a
+                    # preempted job exits on every worker), then stop them.
+                    grace = time.monotonic() + 15
+                    while any(p.poll() is None for p in procs) and time.monotonic() < grace:
+                        time.sleep(0.2)
                 break
             if all(c == 0 for c in codes):
                 break
@@ -68,6 +77,8 @@ def run_workers(
                 p.kill()
         for i, p in enumerate(procs):
             outputs[i] = p.communicate()[0]
+    if not check and failed != f"timed out after {timeout}s":
+        return [p.returncode for p in procs], outputs
     if failed:
         shown = "\n".join(
             f"----- worker {i} (exit {p.returncode}) -----\n{out[-6000:]}"

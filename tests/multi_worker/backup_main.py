@@ -1,0 +1,109 @@
+"""A training job that backs up with BackupAndRestore and can be killed.
+
+Usage: backup_main.py OUT_DIR BACKUP_DIR [key=value ...]
+Options: input=numpy|dataset, spe=N, freq=epoch|N, epochs=N,
+kill=K / term=K (SIGKILL / SIGTERM this process after its K-th trained call,
+on rank `victim`, default 0), seconds=S (save_every_seconds).
+Writes OUT_DIR/rank{R}.npz (final weights) when training ends, and appends
+one line per trained step to OUT_DIR/ids-rank{R}.txt:
+`epoch step id id ...` (the sample ids the step trained on, all replicas),
+after a `start` line per process.
+"""
+
+import os
+import signal
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import numpy as np  # noqa: E402
+
+import keras_dist  # noqa: E402
+
+if "TF_CONFIG" not in os.environ:
+    keras_dist.simulate_replicas(2)
+strategy = keras_dist.resolve_strategy("auto")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from keras_dist.callbacks import BackupAndRestore  # noqa: E402
+from keras_dist.strategy import worker_info  # noqa: E402
+
+out_dir, backup_dir = sys.argv[1], sys.argv[2]
+opts = dict(a.split("=", 1) for a in sys.argv[3:])
+rank = worker_info(strategy).rank
+os.makedirs(out_dir, exist_ok=True)
+N = 48
+
+
+class Net(keras_dist.DistributedModel):
+    """Regression on features 1..6; feature 0 is the sample id."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.drop = keras.layers.Dropout(0.2)
+        self.out = keras.layers.Dense(1)
+
+    def call(self, inputs, training=None):
+        return self.out(self.drop(self.hidden(inputs[:, 1:]), training=training))
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        ids = tf.cast(data[0][:, 0], tf.int32)
+        logs["ids"] = tf.reduce_sum(tf.one_hot(ids, N), axis=0)
+        return logs
+
+
+rs = np.random.RandomState(0)
+features = rs.randn(N, 6).astype("float32")
+y = (features @ rs.randn(6, 1)).astype("float32")
+x = np.concatenate([np.arange(N, dtype="float32")[:, None], features], axis=1)
+
+keras.utils.set_random_seed(1)
+model = Net(strategy=strategy)
+model.compile(keras.optimizers.Adam(0.02), "mse",
+              steps_per_execution=int(opts.get("spe", 1)))
+calls = 0
+with open(os.path.join(out_dir, f"ids-rank{rank}.txt"), "a") as f:
+    f.write("start\n")
+
+
+class Tally(keras.callbacks.Callback):
+    """Records what each trained step saw; kills the process on cue."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        global calls
+        if "ids" not in logs:  # a step the resumed run skips
+            return
+        calls += 1
+        if True:
+            counts = np.rint(np.asarray(logs["ids"]) * strategy.num_replicas_in_sync)
+            ids = [str(i) for i in np.repeat(np.arange(N), counts.astype(int))]
+            with open(os.path.join(out_dir, f"ids-rank{rank}.txt"), "a") as f:
+                f.write(f"{self.epoch} {batch} {' '.join(ids)}\n")
+        if rank == int(opts.get("victim", 0)):
+            if calls == int(opts.get("kill", -1)):
+                os.kill(os.getpid(), signal.SIGKILL)
+            if calls == int(opts.get("term", -1)):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+
+freq = opts.get("freq", "3")
+backup = BackupAndRestore(
+    backup_dir,
+    save_freq="epoch" if freq == "epoch" else int(freq),
+    save_every_seconds=float(opts["seconds"]) if "seconds" in opts else None,
+)
+fit_args = dict(epochs=int(opts.get("epochs", 3)), verbose=0,
+                callbacks=[Tally(), backup])
+if opts.get("input", "numpy") == "numpy":
+    model.fit(x, y, batch_size=8, shuffle=True, **fit_args)
+else:
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(N, seed=5).batch(8)
+    model.fit(ds, **fit_args)
+np.savez(os.path.join(out_dir, f"rank{rank}.npz"), *model.get_weights())
+print("done", flush=True)
