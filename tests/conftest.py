@@ -11,5 +11,5 @@ import keras_dist  # noqa: E402
 NUM_LOGICAL_CPUS = 4
 keras_dist.simulate_replicas(NUM_LOGICAL_CPUS)
 
-# A script run as a subprocess by the multi-worker tests, not a test module.
-collect_ignore = ["multi_worker/worker_main.py"]
+# Scripts run as subprocesses by the multi-worker tests, not test modules.
+collect_ignore = ["multi_worker/worker_main.py", "multi_worker/backup_main.py"]

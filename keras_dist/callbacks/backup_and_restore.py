@@ -226,6 +226,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._previous_handlers = {}
         self._warned = set()
         self._in_fit = False
+        self._muted = []
+        self._skip_until = 0
 
     # -- selection and restore ---------------------------------------------
 
@@ -291,6 +293,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _kd_release(self) -> None:
         """Undoes what a fit that did not reach `on_train_end` left behind."""
+        self._unmute_siblings()
         self._restore_handlers()
         self._unwrap_train_function()
         self._selected = None
@@ -448,6 +451,40 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.model.train_function = self._original_train_function
             self._original_train_function = None
 
+    def _mute_siblings(self) -> None:
+        """Hides the skipped steps from the other callbacks of this fit.
+
+        Keras still calls the batch hooks for the steps a resumed run skips;
+        callbacks whose state was restored would count them twice. (Keras'
+        progress bar is not in the list and moves past them.)
+        """
+        spe = max(1, int(self.model.steps_per_execution or 1))
+        self._skip_until = self._skip_calls * spe
+        if not self._skip_until:
+            return
+        for callback in getattr(self._context, "callbacks", []):
+            if callback is self:
+                continue
+            for hook in ("on_train_batch_begin", "on_train_batch_end"):
+                original = getattr(callback, hook)
+
+                def guarded(batch, logs=None, _original=original):
+                    if batch < self._skip_until:
+                        return None
+                    return _original(batch, logs)
+
+                setattr(callback, hook, guarded)
+                self._muted.append((callback, hook))
+
+    def _unmute_siblings(self) -> None:
+        for callback, hook in self._muted:
+            try:
+                delattr(callback, hook)
+            except AttributeError:
+                pass
+        self._muted = []
+        self._skip_until = 0
+
     # -- preemption signals --------------------------------------------------
 
     def _install_handlers(self) -> None:
@@ -574,6 +611,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     # -- Keras hooks ---------------------------------------------------------
 
     def on_train_begin(self, logs=None):
+        self._unmute_siblings()
         self._reset_run()
         self._in_fit = True
         context = getattr(self.model, "_kd_fit_context", None)
@@ -604,6 +642,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             state, self._resume = self._resume, None
             _keras_compat.set_initial_epoch(self.model, None)
             self._apply_callback_states(state, self._resume_dir)
+            self._mute_siblings()
             # Keras resets the metrics just before on_epoch_begin: the
             # running means of the interrupted epoch are restored now.
             metrics = list(self.model.metrics_variables)
@@ -686,18 +725,21 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def on_epoch_end(self, epoch, logs=None):
+        self._unmute_siblings()
         # Saved at the next epoch's start, once every callback has updated
         # its state for this epoch (EarlyStopping may run after us).
         if self.save_freq == "epoch":
             self._pending_epoch_save = True
 
     def on_train_end(self, logs=None):
+        self._unmute_siblings()
         self._restore_handlers()
         self._unwrap_train_function()
         if self.delete_checkpoint:
             if self._chief:
                 store.delete_all(self.backup_dir)
-        elif self._pending_epoch_save or self._since_save:
+        else:
+            # The final state: a later fit with this backup trains no more.
             self._epoch, self._step = self._epoch + 1, 0
             self._cursor.consumed = 0
             self._save()

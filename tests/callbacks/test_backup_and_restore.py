@@ -1,0 +1,410 @@
+"""Tier 1: BackupAndRestore in one process (4 logical-CPU replicas)."""
+
+import json
+import os
+import shutil
+import signal
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dist
+from helpers import max_abs_diff
+from helpers import regression_data
+from keras_dist import _backup_store as store
+from keras_dist.callbacks import BackupAndRestore
+from keras_dist.callbacks.backup_and_restore import PREEMPTED_EXIT_CODE
+
+X, Y = regression_data(n=64)
+EPOCHS = 3  # 8 steps per epoch at global batch 8
+
+
+class Net(keras_dist.DistributedModel):
+    def __init__(self, width=8, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(width, activation="relu")
+        self.drop = keras.layers.Dropout(0.25)
+        self.out = keras.layers.Dense(1)
+
+    def call(self, inputs, training=None):
+        return self.out(self.drop(self.hidden(inputs), training=training))
+
+
+def make(spe=1, width=8):
+    keras.utils.set_random_seed(1)
+    model = Net(width=width)
+    model.compile(keras.optimizers.Adam(0.02), "mse", metrics=["mae"],
+                  steps_per_execution=spe)
+    return model
+
+
+def fit_args(source):
+    if source == "numpy":
+        return dict(x=X, y=Y, batch_size=8, shuffle=True)
+    ds = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(64, seed=3).batch(8)
+    return dict(x=ds)
+
+
+class Crash(keras.callbacks.Callback):
+    """Raises once the optimizer has taken `at` steps: an in-process kill."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.optimizer.iterations.numpy() >= self.at:
+            raise RuntimeError("simulated crash")
+
+
+_REFERENCE = {}
+
+
+def reference_weights():
+    """The uninterrupted numpy run's final weights, computed once."""
+    if "numpy" not in _REFERENCE:
+        _REFERENCE["numpy"] = reference("numpy")[0].get_weights()
+    return _REFERENCE["numpy"]
+
+
+def reference(source, spe=1, callbacks=()):
+    model = make(spe)
+    history = model.fit(**fit_args(source), epochs=EPOCHS, verbose=0,
+                        callbacks=list(callbacks))
+    return model, history
+
+
+def crash(backup_dir, source, at, spe=1, save_freq=2, callbacks=()):
+    model = make(spe)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        model.fit(**fit_args(source), epochs=EPOCHS, verbose=0, callbacks=[
+            BackupAndRestore(backup_dir, save_freq=save_freq), Crash(at), *callbacks
+        ])
+
+
+@pytest.mark.parametrize(
+    "source,spe,save_freq",
+    [("numpy", 2, 3), ("dataset", 1, "epoch")],
+)
+def test_two_crashes_resume_to_the_uninterrupted_weights(tmp_path, source, spe, save_freq):
+    ref, ref_history = reference(source, spe)
+    backup_dir = str(tmp_path / "b")
+    crash(backup_dir, source, at=13, spe=spe, save_freq=save_freq)  # epoch 2
+    crash(backup_dir, source, at=20, spe=spe, save_freq=save_freq)  # epoch 3
+    model = make(spe)
+    history = model.fit(**fit_args(source), epochs=EPOCHS, verbose=0,
+                        callbacks=[BackupAndRestore(backup_dir, save_freq=save_freq)])
+    assert max_abs_diff(ref.get_weights(), model.get_weights()) < 1e-6
+    assert model.optimizer.iterations.numpy() == ref.optimizer.iterations.numpy() == 24
+    # The resumed epochs report the same running means as the uninterrupted run.
+    done = len(history.history["loss"])
+    np.testing.assert_allclose(
+        history.history["loss"], ref_history.history["loss"][-done:], rtol=1e-6
+    )
+    assert not os.path.exists(backup_dir)
+
+
+def test_numpy_shuffle_differs_between_epochs():
+    """Keras 3.15 reuses one permutation per epoch once a seed is set."""
+    keras.utils.set_random_seed(0)
+    from keras_dist import _data
+
+    strategy = keras_dist.resolve_strategy("default")
+    dataset = _data.array_dataset(
+        strategy, np.arange(16), None, None, 16, True, seed=5
+    )
+    orders = [next(iter(dataset))[0].numpy().tolist() for _ in range(3)]
+    assert len({tuple(o) for o in orders}) == 3
+    assert all(sorted(o) == list(range(16)) for o in orders)
+
+
+def committed(backup_dir):
+    return store.list_backups(backup_dir)
+
+
+def corrupt_truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def corrupt_empty(path):
+    open(path, "wb").close()
+
+
+def corrupt_flip(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+@pytest.fixture(scope="module")
+def crashed_once(tmp_path_factory):
+    """Backups of a run that crashed after 11 steps (two committed)."""
+    backup_dir = str(tmp_path_factory.mktemp("crashed") / "b")
+    crash(backup_dir, "numpy", at=11)
+    return backup_dir
+
+
+@pytest.mark.parametrize(
+    "target,damage",
+    [
+        ("variables.data-00000-of-00001", corrupt_truncate),
+        ("variables.data-00000-of-00001", corrupt_empty),
+        ("variables.index", corrupt_flip),
+        ("state.json", corrupt_flip),
+        ("MANIFEST.json", corrupt_truncate),
+    ],
+    ids=["truncated", "zero-byte", "bit-flip", "state", "manifest"],
+)
+def test_damaged_latest_backup_falls_back_to_previous(tmp_path, crashed_once, target, damage):
+    backup_dir = str(tmp_path / "b")
+    shutil.copytree(crashed_once, backup_dir)
+    newest, previous = committed(backup_dir)
+    bad = os.path.join(backup_dir, store.backup_name(newest), target)
+    damage(bad)
+    model = make()
+    with pytest.warns(UserWarning, match="skipping damaged backup") as record:
+        model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+                  callbacks=[BackupAndRestore(backup_dir, save_freq=2)])
+    assert any(bad in str(w.message) for w in record)
+    # The previous backup resumes exactly too.
+    assert max_abs_diff(reference_weights(), model.get_weights()) < 1e-6
+
+
+def test_backups_are_atomic_and_bounded(tmp_path):
+    backup_dir = str(tmp_path / "b")
+    seen = []
+
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            names = os.listdir(backup_dir)
+            seen.append(len(committed(backup_dir)))
+            assert not [n for n in names if n.startswith(store.TMP_PREFIX)]
+            for sequence in committed(backup_dir):
+                store.verify(os.path.join(backup_dir, store.backup_name(sequence)))
+            if names:
+                with open(os.path.join(backup_dir, store.POINTER)) as f:
+                    assert f.read().strip() == store.backup_name(committed(backup_dir)[0])
+
+    model = make()
+    model.fit(**fit_args("numpy"), epochs=2, verbose=0, callbacks=[
+        BackupAndRestore(backup_dir, save_freq=1, delete_checkpoint=False,
+                         max_to_keep=3), Watch()])
+    assert max(seen) == 3 and seen[:3] == [1, 2, 3]
+    state = store.verify(os.path.join(backup_dir, store.backup_name(committed(backup_dir)[0])))
+    assert state["position"]["epoch"] == 2 and state["position"]["step"] == 0
+    # A leftover half-written backup is ignored and cleaned up.
+    os.makedirs(os.path.join(backup_dir, ".tmp-backup-00000099-1"))
+    model = make()
+    model.fit(**fit_args("numpy"), epochs=2, verbose=0,
+              callbacks=[BackupAndRestore(backup_dir, save_freq=1)])
+    assert not os.path.exists(backup_dir)
+
+
+def test_callback_states_survive_a_crash(tmp_path):
+    class Counter(keras.callbacks.Callback):
+        """A user callback with the get_state/set_state protocol."""
+
+        def __init__(self):
+            super().__init__()
+            self.batches = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            if "loss" in logs and logs is not None:
+                self.batches += 1
+
+        def get_state(self):
+            return {"batches": self.batches}
+
+        def set_state(self, state):
+            self.batches = state["batches"]
+
+    def callbacks():
+        return [
+            keras.callbacks.EarlyStopping("loss", patience=9, restore_best_weights=True),
+            keras.callbacks.ReduceLROnPlateau("loss", patience=0, factor=0.5),
+        ]
+
+    ref_cbs = callbacks()
+    ref, _ = reference("numpy", callbacks=ref_cbs)
+    backup_dir = str(tmp_path / "b")
+    crash(backup_dir, "numpy", at=20, save_freq="epoch", callbacks=callbacks())
+    cbs = callbacks()
+    model = make()
+    model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+              callbacks=[BackupAndRestore(backup_dir), *cbs])
+    assert cbs[0].best == pytest.approx(ref_cbs[0].best, rel=1e-6)
+    assert cbs[0].best_epoch == ref_cbs[0].best_epoch
+    assert cbs[0].wait == ref_cbs[0].wait
+    assert cbs[1].best == pytest.approx(ref_cbs[1].best, rel=1e-6)
+    assert cbs[1].wait == ref_cbs[1].wait
+    assert model.optimizer.learning_rate.numpy() == pytest.approx(
+        ref.optimizer.learning_rate.numpy())
+    assert max_abs_diff(ref.get_weights(), model.get_weights()) < 1e-6
+
+    counter = Counter()
+    backup_dir = str(tmp_path / "c")
+    model = make()
+    with pytest.raises(RuntimeError):
+        model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0, callbacks=[
+            counter, BackupAndRestore(backup_dir, save_freq=4), Crash(10)])
+    assert counter.batches == 10
+    resumed = Counter()
+    make().fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+               callbacks=[resumed, BackupAndRestore(backup_dir, save_freq=4)])
+    assert resumed.batches == 24  # 8 restored + 16 trained
+
+
+def test_sigterm_saves_and_exits_then_resumes(tmp_path):
+    backup_dir = str(tmp_path / "b")
+    before = signal.getsignal(signal.SIGTERM)
+
+    class Term(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.model.optimizer.iterations.numpy() == 13:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    model = make()
+    with pytest.raises(SystemExit) as exit_info:
+        model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+                  callbacks=[Term(), BackupAndRestore(backup_dir)])
+    assert exit_info.value.code == PREEMPTED_EXIT_CODE == 42
+    assert signal.getsignal(signal.SIGTERM) is before
+    state = store.verify(os.path.join(backup_dir, store.backup_name(committed(backup_dir)[0])))
+    assert (state["position"]["epoch"], state["position"]["step"]) == (1, 5)
+    model = make()
+    model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+              callbacks=[BackupAndRestore(backup_dir)])
+    assert max_abs_diff(reference_weights(), model.get_weights()) < 1e-6
+
+
+def test_two_fits_in_a_row_and_a_fit_without_it_leak_nothing(tmp_path):
+    backup_dir = str(tmp_path / "b")
+    backup = BackupAndRestore(backup_dir, save_freq=3)
+    model = make()
+    train_function = None
+    handler = signal.getsignal(signal.SIGTERM)
+    for _ in range(2):
+        history = model.fit(**fit_args("numpy"), epochs=2, verbose=0, callbacks=[backup])
+        assert len(history.history["loss"]) == 2
+        assert model._initial_epoch is None
+        assert signal.getsignal(signal.SIGTERM) is handler
+        assert not os.path.exists(backup_dir)
+        train_function = train_function or model.train_function
+        assert model.train_function is train_function
+    # A crashed run leaves a backup; a later fit without the callback ignores it.
+    with pytest.raises(RuntimeError):
+        model.fit(**fit_args("numpy"), epochs=3, verbose=0,
+                  callbacks=[BackupAndRestore(backup_dir, save_freq=2),
+                             Crash(model.optimizer.iterations.numpy() + 5)])
+    assert signal.getsignal(signal.SIGTERM) is handler
+    assert model.train_function is train_function
+    history = model.fit(**fit_args("numpy"), epochs=2, verbose=0)
+    assert len(history.history["loss"]) == 2
+    assert committed(backup_dir)
+
+
+def test_plain_keras_model_resumes_unshuffled_input(tmp_path):
+    def plain():
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4),
+                                  keras.layers.Dense(1)])
+        model.compile(keras.optimizers.Adam(0.02), "mse")
+        return model
+
+    ref = plain()
+    ref.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    backup_dir = str(tmp_path / "b")
+    model = plain()
+    with pytest.raises(RuntimeError):
+        model.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[BackupAndRestore(backup_dir, save_freq=3), Crash(11)])
+    model = plain()
+    with pytest.warns(UserWarning, match="plain keras.Model"):
+        model.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[BackupAndRestore(backup_dir, save_freq=3)])
+    assert max_abs_diff(ref.get_weights(), model.get_weights()) < 1e-6
+
+
+def test_save_every_seconds_saves_on_time(tmp_path):
+    backup_dir = str(tmp_path / "b")
+    sequences = []
+
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            sequences.append(committed(backup_dir)[:1])
+
+    make().fit(**fit_args("numpy"), epochs=1, verbose=0, callbacks=[
+        BackupAndRestore(backup_dir, save_freq="epoch", save_every_seconds=1e-9), Watch()])
+    # Every step boundary is past the (tiny) interval: one backup per step.
+    assert [s[0] for s in sequences] == list(range(1, 9))
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(save_freq=False), ValueError, r"Expected \"epoch\" or a positive integer. Received: save_freq=False"),
+        (dict(save_freq=0), ValueError, "Received: save_freq=0"),
+        (dict(save_freq="batch"), ValueError, "Received: save_freq='batch'"),
+        (dict(max_to_keep=0), ValueError, "Received: max_to_keep=0"),
+        (dict(double_checkpoint=True, max_to_keep=1), ValueError, "max_to_keep >= 2"),
+        (dict(double_checkpoint="yes"), TypeError, "double_checkpoint='yes'"),
+        (dict(save_every_seconds=-1), ValueError, "save_every_seconds=-1"),
+        (dict(preemption_signals=[signal.SIGKILL]), ValueError, "SIGKILL cannot be caught"),
+        (dict(preemption_signals=[12345]), ValueError, "Received: 12345"),
+    ],
+)
+def test_bad_arguments_are_rejected(tmp_path, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        BackupAndRestore(str(tmp_path), **kwargs)
+
+
+def test_bad_backup_dir_is_rejected_before_any_step(tmp_path):
+    with pytest.raises(ValueError, match="Expected a non-empty path. Received: backup_dir=''"):
+        BackupAndRestore("")
+    with pytest.raises(TypeError, match="backup_dir=3"):
+        BackupAndRestore(3)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for path in (a_file, a_file / "sub"):
+        model = make()
+        with pytest.raises(ValueError, match=f"writable directory. Received: backup_dir='{path}'"):
+            model.fit(**fit_args("numpy"), epochs=1, verbose=0,
+                      callbacks=[BackupAndRestore(str(path))])
+        assert model.optimizer.iterations.numpy() == 0
+
+
+def test_backup_of_another_model_is_refused_by_name(tmp_path, crashed_once):
+    backup_dir = str(tmp_path / "b")
+    shutil.copytree(crashed_once, backup_dir)
+    saved = os.listdir(backup_dir)
+    model = make(width=16)
+    with pytest.raises(ValueError, match=r"written by a different model.*different shape or dtype: .*kernel \(model \[6, 16\]"):
+        model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+                  callbacks=[BackupAndRestore(backup_dir)])
+    assert model.optimizer.iterations.numpy() == 0
+    assert os.listdir(backup_dir) == saved  # nothing saved is lost
+
+
+def test_changed_fit_arguments_are_reported(tmp_path, crashed_once):
+    backup_dir = str(tmp_path / "b")
+    shutil.copytree(crashed_once, backup_dir)
+    with pytest.warns(UserWarning, match=r"differs from the backed-up run \(epochs 3 -> 4, num_samples 64 -> 56"):
+        make().fit(X[:56], Y[:56], batch_size=8, epochs=4, verbose=0,
+                   callbacks=[BackupAndRestore(backup_dir, save_freq=2)])
+
+
+def test_state_file_records_position_and_seed(crashed_once):
+    backup_dir = crashed_once
+    path = os.path.join(backup_dir, store.backup_name(committed(backup_dir)[0]), "state.json")
+    with open(path) as f:
+        state = json.load(f)
+    assert state["position"]["epoch"] == 1 and state["position"]["step"] == 2
+    assert state["position"]["kind"] == "arrays"
+    assert isinstance(state["data"]["seed"], int)
+    names = [v[0] for v in state["variables"]["optimizer"]]
+    assert names[0].endswith("/iteration") and names[1].endswith("/learning_rate")
