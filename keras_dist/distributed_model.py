@@ -377,8 +377,8 @@ class DistributedModel(keras.Model):
         if not isinstance(data, (tuple, list)):
             return data
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(tuple(data))
-        dataset = _data.shardable_arrays(
-            self._kd_strategy, x, y, sample_weight, batch_size, False
+        dataset = _data.array_dataset(
+            self._kd_strategy, x, y, sample_weight, batch_size, False, None
         )
         return data if dataset is None else dataset
 

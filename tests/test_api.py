@@ -67,3 +67,25 @@ def test_exports_resolve():
     assert sorted(keras_dist._EXPORTS) == keras_dist.__all__
     for name in keras_dist.__all__:
         assert getattr(keras_dist, name).__name__ == name
+
+
+def test_callbacks_names_and_parity():
+    import keras
+
+    from keras_dist import callbacks
+
+    assert callbacks.__all__ == sorted(callbacks.__all__) == ["BackupAndRestore"]
+    ours = inspect.signature(callbacks.BackupAndRestore.__init__)
+    assert str(ours) == (
+        "(self, backup_dir: 'str | os.PathLike', "
+        "save_freq: \"Literal['epoch'] | int\" = 'epoch', "
+        "double_checkpoint: 'bool' = False, delete_checkpoint: 'bool' = True, *, "
+        "max_to_keep: 'int' = 2, save_every_seconds: 'float | None' = None, "
+        "preemption_signals: 'Sequence[int] | None' = (<Signals.SIGTERM: 15>,))"
+    )
+    theirs = inspect.signature(keras.callbacks.BackupAndRestore.__init__)
+    positional = [p for p in ours.parameters.values()
+                  if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert [(p.name, p.default) for p in positional] == [
+        (p.name, p.default) for p in theirs.parameters.values()
+    ]
