@@ -20,6 +20,7 @@ file and skipped.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -135,10 +136,8 @@ def remove_stale_tmp(backup_dir: str) -> None:
             if os.path.isdir(path):
                 shutil.rmtree(path, ignore_errors=True)
             else:
-                try:
+                with contextlib.suppress(OSError):
                     os.remove(path)
-                except OSError:
-                    pass
 
 
 def verify(directory: str) -> dict:
@@ -186,7 +185,6 @@ def delete_all(backup_dir: str) -> None:
     pointer = os.path.join(backup_dir, POINTER)
     if os.path.exists(pointer):
         os.remove(pointer)
-    try:
+    # Left in place when the user keeps other files there.
+    with contextlib.suppress(OSError):
         os.rmdir(backup_dir)
-    except OSError:
-        pass  # the user keeps other files there

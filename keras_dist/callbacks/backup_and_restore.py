@@ -225,7 +225,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._signal_event = threading.Event()
         self._previous_handlers = {}
         self._warned = set()
-        self._in_fit = False
         self._muted = []
         self._skip_until = 0
 
@@ -478,10 +477,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _unmute_siblings(self) -> None:
         for callback, hook in self._muted:
-            try:
-                delattr(callback, hook)
-            except AttributeError:
-                pass
+            # The instance attribute shadows the class method; drop it.
+            callback.__dict__.pop(hook, None)
         self._muted = []
         self._skip_until = 0
 
@@ -613,7 +610,6 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._unmute_siblings()
         self._reset_run()
-        self._in_fit = True
         context = getattr(self.model, "_kd_fit_context", None)
         self._context = context
         self._cursor = context.cursor if context is not None else (
