@@ -133,11 +133,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "Invalid value for argument `backup_dir`. Expected a non-empty "
                 f"path. Received: backup_dir={backup_dir!r}"
             )
-        if save_freq != "epoch" and (
-            not isinstance(save_freq, (int, np.integer))
-            or isinstance(save_freq, bool)
-            or save_freq <= 0
-        ):
+        if save_freq != "epoch" and not _is_positive_int(save_freq):
             raise ValueError(
                 "Invalid value for argument `save_freq`. Expected \"epoch\" or "
                 f"a positive integer. Received: save_freq={save_freq!r}"
@@ -151,11 +147,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                     f"Invalid type for argument `{name}`. Expected a bool. "
                     f"Received: {name}={value!r}"
                 )
-        if (
-            not isinstance(max_to_keep, (int, np.integer))
-            or isinstance(max_to_keep, bool)
-            or max_to_keep <= 0
-        ):
+        if not _is_positive_int(max_to_keep):
             raise ValueError(
                 "Invalid value for argument `max_to_keep`. Expected a positive "
                 f"integer. Received: max_to_keep={max_to_keep!r}"
@@ -742,6 +734,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         _keras_compat.set_initial_epoch(self.model, None)
         self._selected = None
         self._reset_run()
+
+
+def _is_positive_int(value) -> bool:
+    return (
+        isinstance(value, (int, np.integer))
+        and not isinstance(value, bool)
+        and value > 0
+    )
 
 
 def _generic(path: str) -> str:
