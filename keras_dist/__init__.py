@@ -20,6 +20,7 @@ _EXPORTS = {
     "distribute": "keras_dist.distributed_model",
     "launch": "keras_dist.launcher",
     "resolve_strategy": "keras_dist.strategy",
+    "scale_learning_rate": "keras_dist.callbacks.learning_rate_scaler",
     "simulate_replicas": "keras_dist.strategy",
 }
 
@@ -29,11 +30,14 @@ __all__ = [
     "distribute",
     "launch",
     "resolve_strategy",
+    "scale_learning_rate",
     "simulate_replicas",
 ]
 
 
 def __getattr__(name):
+    if name == "callbacks":
+        return _importlib.import_module("keras_dist.callbacks")
     if name in _EXPORTS:
         value = getattr(_importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value

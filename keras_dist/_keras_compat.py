@@ -220,12 +220,34 @@ def train_step(model, data):
             loss = model.optimizer.scale_loss(loss)
     if model.trainable_weights:
         gradients = tape.gradient(loss, model.trainable_weights)
+        monitor = getattr(model, "_kd_monitor", None)
+        if monitor is not None:
+            _monitor_gradients(monitor, model, gradients, factor)
         if context is not None and strategy.num_replicas_in_sync > 1:
             gradients = agree_on_finite(model.optimizer, gradients, context)
         model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
     else:
         warnings.warn("The model does not have any trainable weights.")
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _monitor_gradients(monitor, model, gradients, factor) -> None:
+    """Hands `PerReplicaMetrics` the local compute end time and gradient norm."""
+    present = [g for g in gradients if g is not None]
+    with tf.control_dependencies(present):
+        monitor.trace_values["compute_done"] = tf.timestamp()
+    if not monitor.gradient_norm:
+        return
+    # The gradients are of the replica's mean loss times 1/N (Keras'
+    # distribution scaling), the uneven-batch factor and the loss scale.
+    scale = tf.cast(model.optimizer.scale_loss(tf.ones([])), tf.float32)
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if replicas > 1:
+        scale = scale / float(replicas)
+    if factor is not None:
+        scale = scale * tf.cast(factor, tf.float32)
+    norm = tf.linalg.global_norm([tf.cast(g, tf.float32) for g in present])
+    monitor.trace_values["grad_norm"] = tf.math.divide_no_nan(norm, scale)
 
 
 _GATHER_UNSUPPORTED = (tf.bfloat16, tf.float16)

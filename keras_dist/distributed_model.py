@@ -240,7 +240,10 @@ class DistributedModel(keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         self._kd_prepare_layers()
-        self.train_function = _keras_compat.make_function(self, self.train_step)
+        monitor = getattr(self, "_kd_monitor", None)
+        step = self.train_step if monitor is None else monitor.wrap(self.train_step)
+        self._kd_train_monitor = monitor
+        self.train_function = _keras_compat.make_function(self, step)
         return self.train_function
 
     def make_test_function(self, force=False):
@@ -305,6 +308,10 @@ class DistributedModel(keras.Model):
             )
             validation_split = 0.0
         backup = _find_backup(callbacks)
+        monitor = _find_monitor(callbacks)
+        self._kd_monitor = None if monitor is None else monitor._kd_monitor(self)
+        if getattr(self, "_kd_train_monitor", None) is not self._kd_monitor:
+            self.train_function = None
         global_batch = batch_size
         cursor = _data.DataCursor(
             _data.input_kind(x), persistent=steps_per_epoch is not None
@@ -364,6 +371,7 @@ class DistributedModel(keras.Model):
                 )
         finally:
             self._kd_fit_context = None
+            self._kd_monitor = None
             if backup is not None:
                 backup._kd_release()
 
@@ -507,6 +515,18 @@ def _find_backup(callbacks):
     if len(found) > 1:
         raise ValueError(
             "Argument `callbacks` holds more than one BackupAndRestore. "
+            f"Received: {len(found)} of them. Pass a single one."
+        )
+    return found[0] if found else None
+
+
+def _find_monitor(callbacks):
+    from keras_dist.callbacks.per_replica_metrics import PerReplicaMetrics
+
+    found = [c for c in callbacks or [] if isinstance(c, PerReplicaMetrics)]
+    if len(found) > 1:
+        raise ValueError(
+            "Argument `callbacks` holds more than one PerReplicaMetrics. "
             f"Received: {len(found)} of them. Pass a single one."
         )
     return found[0] if found else None

@@ -1,5 +1,7 @@
 """Drop-in Keras callbacks for distributed training."""
 
 from keras_dist.callbacks.backup_and_restore import BackupAndRestore
+from keras_dist.callbacks.learning_rate_scaler import LearningRateScaler
+from keras_dist.callbacks.per_replica_metrics import PerReplicaMetrics
 
-__all__ = ["BackupAndRestore"]
+__all__ = ["BackupAndRestore", "LearningRateScaler", "PerReplicaMetrics"]

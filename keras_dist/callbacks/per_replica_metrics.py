@@ -1,0 +1,463 @@
+"""`PerReplicaMetrics`: what each replica and each worker is doing."""
+
+from __future__ import annotations
+
+import csv
+import numbers
+import os
+import threading
+import time
+import warnings
+from typing import Literal
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import summary_pb2
+
+from keras_dist.strategy import worker_info
+
+_SCALAR_METADATA = summary_pb2.SummaryMetadata(
+    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
+).SerializeToString()
+
+# Columns of the running totals kept per replica in the graph.
+_SAMPLES, _WAITED, _STEPS = 0, 1, 2
+
+
+class _ReplicaMonitor:
+    """The in-graph half of `PerReplicaMetrics`, owned by one strategy.
+
+    Every training step, inside `strategy.run`:
+    1. a one-scalar all-reduce (a barrier) timed on each replica: the time a
+       replica waits there is time it spent ready while a peer was not;
+    2. the step itself (the model's `train_step`);
+    3. one `all_gather` of each replica's local values: its running metric
+       results (Keras' metric variables are per replica until read), the
+       samples of its shard, its barrier wait and, with the built-in
+       `train_step`, its compute time and gradient norm.
+    The gathered table is kept in variables that the host reads only when it
+    logs: no extra host synchronization per step.
+    """
+
+    def __init__(self, strategy, gradient_norm: bool):
+        self.strategy = strategy
+        self.gradient_norm = gradient_norm
+        self.keys: list[str] = []
+        # Filled while the built-in train_step is traced. MirroredStrategy
+        # traces each replica in its own thread: one dict per thread.
+        self._local = threading.local()
+        with strategy.scope():
+            self.latest = tf.Variable(
+                tf.zeros([0, 0]),
+                shape=tf.TensorShape(None),
+                trainable=False,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                name="kd_per_replica_latest",
+            )
+            self.totals = tf.Variable(
+                tf.zeros([strategy.num_replicas_in_sync, 3], tf.float32),
+                trainable=False,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                name="kd_per_replica_totals",
+            )
+
+    @property
+    def trace_values(self) -> dict:
+        if not hasattr(self._local, "values"):
+            self._local.values = {}
+        return self._local.values
+
+    @trace_values.setter
+    def trace_values(self, values: dict) -> None:
+        self._local.values = values
+
+    def wrap(self, step_function):
+        monitor = self
+
+        def monitored_step(data):
+            context = tf.distribute.get_replica_context()
+            arrived = tf.timestamp()
+            with tf.control_dependencies([arrived]):
+                barrier = context.all_reduce("SUM", tf.zeros([]))
+            with tf.control_dependencies([barrier]):
+                started = tf.timestamp()
+                monitor.trace_values = {}
+                logs = step_function(data)
+            scalars = {
+                k: v
+                for k, v in (logs or {}).items()
+                if isinstance(v, (tf.Tensor, tf.Variable)) and v.shape.rank == 0
+            }
+            monitor.keys = sorted(scalars)
+            values = [tf.cast(scalars[k], tf.float32) for k in monitor.keys]
+            if monitor.gradient_norm:
+                values.append(
+                    tf.cast(monitor.trace_values.get("grad_norm", float("nan")), tf.float32)
+                )
+            first = next(t for t in tf.nest.flatten(data) if t is not None)
+            with tf.control_dependencies(values):
+                finished = monitor.trace_values.get("compute_done")
+                finished = tf.timestamp() if finished is None else finished
+            compute = tf.cast(finished - started, tf.float32)
+            values += [
+                tf.cast(tf.shape(first)[0], tf.float32),
+                tf.cast(started - arrived, tf.float32),
+                compute,
+            ]
+            table = context.all_gather(tf.stack(values)[None, :], axis=0)
+            computes = table[:, -1]
+            # A replica that computes faster waits for the slowest one in the
+            # gradient all-reduce: count that as waiting too.
+            lag = tf.reduce_max(computes) - computes
+            increments = tf.stack(
+                [table[:, -3], table[:, -2] + lag, tf.ones_like(lag)], axis=1
+            )
+            updates = [
+                monitor.latest.assign(table[:, :-3]),
+                monitor.totals.assign_add(increments),
+            ]
+            with tf.control_dependencies(updates):
+                return tf.nest.map_structure(tf.identity, logs)
+
+        return monitored_step
+
+    def read(self):
+        return self.latest.numpy(), self.totals.numpy()
+
+
+class PerReplicaMetrics(keras.callbacks.Callback):
+    """Per-replica metrics and per-worker step times, and straggler warnings.
+
+    Data-parallel training reports one number per metric: the reduction over
+    every replica. This callback also reports, for each replica, the loss and
+    each compiled metric computed on that replica's shard alone and the
+    samples it processed, and, for each worker, its step time, throughput
+    and the slowest/fastest step-time ratio. A worker whose step time stays
+    above `straggler_factor` times the median is named in a warning, once
+    until it recovers.
+
+    Keys (epoch logs and History, CSV columns, TensorBoard tags):
+    `{metric}/replica_{r}` (e.g. `loss/replica_0`; running value over the
+    epoch, like the progress bar's), `samples/replica_{r}` (this epoch),
+    `grad_norm/replica_{r}` (last step, with `gradient_norm=True`),
+    `step_time/worker_{w}` (seconds per step the worker was busy: its
+    step's wall time minus the time it waited for its peers),
+    `samples_per_sec/worker_{w}` and `step_time_ratio`. The progress bar
+    keeps showing the global values.
+
+    How it is measured: inside each training step one scalar all-reduce
+    times how long each replica waits for the others (time a peer made it
+    wait), and one `all_gather` collects every replica's values; with the
+    built-in `train_step` the gradient computation is timed as well, so a
+    slower device counts against its own worker. Values stay in the graph
+    until they are logged: the host reads them every `update_freq` steps,
+    every `straggler_steps` steps and at the end of each epoch. Every worker
+    runs the same collectives; only the chief writes files.
+
+    Requires a `DistributedModel` (see `keras_dist.distribute`).
+
+    Args:
+        update_freq: `"epoch"` (default) or a positive int: how often rows
+            are written to `csv_path` and `log_dir`. Epoch logs always get
+            the values at the end of each epoch.
+        csv_path: Path of a CSV file (one row per update), or None.
+        log_dir: Directory for TensorBoard summaries (written with
+            `tf.summary`; the `tensorboard` package is not needed), or None.
+        gradient_norm: Boolean, default False. Also reports each replica's
+            local gradient norm (before the all-reduce), for the built-in
+            `train_step`. Costs one norm over the gradients per step.
+        straggler_factor: Number > 1, default 1.5. A worker whose step time
+            exceeds this times the median of the workers' is a straggler.
+        straggler_steps: Positive int, default 20. Step times are compared
+            over windows of this many steps; a straggler is reported when it
+            is slow over a whole window.
+
+    Example:
+
+    >>> import keras, keras_dist, numpy as np
+    >>> inputs = keras.Input((3,))
+    >>> model = keras_dist.DistributedModel(
+    ...     inputs, keras.layers.Dense(1)(inputs), strategy="default")
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> history = model.fit(
+    ...     np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0,
+    ...     callbacks=[keras_dist.callbacks.PerReplicaMetrics()])
+    >>> history.history["samples/replica_0"]
+    [8.0]
+
+    Raises:
+        ValueError / TypeError: for invalid arguments (here); at the start of
+            `fit` for a model that is not a `DistributedModel`, or
+            `gradient_norm=True` with a custom `train_step`.
+    """
+
+    def __init__(
+        self,
+        update_freq: Literal["epoch"] | int = "epoch",
+        *,
+        csv_path: str | os.PathLike | None = None,
+        log_dir: str | os.PathLike | None = None,
+        gradient_norm: bool = False,
+        straggler_factor: float = 1.5,
+        straggler_steps: int = 20,
+    ):
+        super().__init__()
+        if update_freq != "epoch" and not _is_positive_int(update_freq):
+            raise ValueError(
+                "Invalid value for argument `update_freq`. Expected \"epoch\" "
+                f"or a positive integer. Received: update_freq={update_freq!r}"
+            )
+        for name, value in (("csv_path", csv_path), ("log_dir", log_dir)):
+            if value is not None and (
+                not isinstance(value, (str, os.PathLike)) or not os.fspath(value)
+            ):
+                raise ValueError(
+                    f"Invalid value for argument `{name}`. Expected None or a "
+                    f"non-empty path. Received: {name}={value!r}"
+                )
+        if not isinstance(gradient_norm, bool):
+            raise TypeError(
+                "Invalid type for argument `gradient_norm`. Expected a bool. "
+                f"Received: gradient_norm={gradient_norm!r}"
+            )
+        if (
+            not isinstance(straggler_factor, numbers.Real)
+            or isinstance(straggler_factor, bool)
+            or not straggler_factor > 1
+        ):
+            raise ValueError(
+                "Invalid value for argument `straggler_factor`. Expected a "
+                f"number > 1. Received: straggler_factor={straggler_factor!r}"
+            )
+        if not _is_positive_int(straggler_steps):
+            raise ValueError(
+                "Invalid value for argument `straggler_steps`. Expected a "
+                f"positive integer. Received: straggler_steps={straggler_steps!r}"
+            )
+        # Configuration: survives across fit() calls.
+        self.update_freq = update_freq
+        self.csv_path = None if csv_path is None else os.fspath(csv_path)
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self.gradient_norm = gradient_norm
+        self.straggler_factor = float(straggler_factor)
+        self.straggler_steps = int(straggler_steps)
+        # One monitor per strategy (its variables live on that strategy).
+        self._monitors: dict = {}
+        self._run = None  # per-run state, reset in on_train_begin
+
+    # -- hooks for DistributedModel.fit ------------------------------------
+
+    def _kd_monitor(self, model) -> _ReplicaMonitor:
+        """The in-graph monitor for `model`'s strategy (created once)."""
+        if self.gradient_norm and _has_custom_train_step(model):
+            raise ValueError(
+                "PerReplicaMetrics(gradient_norm=True) needs the built-in "
+                f"train_step; {type(model).__name__} overrides train_step. "
+                "Pass gradient_norm=False, or compute the norm in your "
+                "train_step and return it in its logs (it is then reported "
+                "per replica like any metric)."
+            )
+        strategy = model.distribute_strategy
+        key = id(strategy)
+        monitor = self._monitors.get(key)
+        if monitor is None or monitor.strategy is not strategy:
+            monitor = _ReplicaMonitor(strategy, self.gradient_norm)
+            self._monitors[key] = monitor
+        return monitor
+
+    # -- per run -----------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        from keras_dist.distributed_model import DistributedModel
+
+        model = self.model
+        if not isinstance(model, DistributedModel):
+            raise TypeError(
+                "PerReplicaMetrics needs a keras_dist.DistributedModel: a plain "
+                f"{type(model).__name__} reduces every value across replicas "
+                "inside its train step. Received: a model of type "
+                f"{type(model).__name__}. Convert it with "
+                "keras_dist.distribute(model)."
+            )
+        monitor = getattr(model, "_kd_monitor", None)
+        if monitor is None or monitor is not self._monitors.get(
+            id(model.distribute_strategy)
+        ):
+            raise RuntimeError(
+                "PerReplicaMetrics was not set up by DistributedModel.fit. "
+                "Pass it in fit(callbacks=[...])."
+            )
+        strategy = model.distribute_strategy
+        info = worker_info(strategy)
+        replicas = strategy.num_replicas_in_sync
+        per_worker = max(1, replicas // max(1, info.num_workers))
+        self._run = {
+            "monitor": monitor,
+            "chief": info.is_chief,
+            "workers": max(1, replicas // per_worker),
+            "per_worker": per_worker,
+            "steps": 0,
+            "since_update": 0,
+            "since_check": 0,
+            "window": _Window(time.perf_counter(), monitor.read()[1]),
+            "epoch_window": None,
+            "epoch": 0,
+            "straggling": set(),
+            "writer": None,
+            "csv": None,
+            "written": None,  # step of the last row written
+        }
+        if info.is_chief and self.log_dir:
+            self._run["writer"] = tf.summary.create_file_writer(self.log_dir)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        run = self._run
+        run["epoch"] = epoch
+        run["epoch_window"] = _Window(time.perf_counter(), run["monitor"].read()[1])
+
+    def on_train_batch_end(self, batch, logs=None):
+        run = self._run
+        steps = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        run["steps"] += steps
+        run["since_update"] += steps
+        run["since_check"] += steps
+        latest = totals = None
+        if run["since_check"] >= self.straggler_steps:
+            run["since_check"] = 0
+            latest, totals = run["monitor"].read()
+            now = time.perf_counter()
+            self._check_stragglers(run["window"].worker_times(now, totals, run))
+            run["window"] = _Window(now, totals)
+        if self.update_freq != "epoch" and run["since_update"] >= self.update_freq:
+            run["since_update"] = 0
+            if latest is None:
+                latest, totals = run["monitor"].read()
+            values = self._values(latest, totals, run["epoch_window"], run)
+            self._write(values, run["steps"])
+
+    def on_epoch_end(self, epoch, logs=None):
+        run = self._run
+        latest, totals = run["monitor"].read()
+        values = self._values(latest, totals, run["epoch_window"], run)
+        if logs is not None:
+            logs.update(values)
+        if run["written"] != run["steps"]:
+            self._write(values, run["steps"])
+
+    def on_train_end(self, logs=None):
+        run, self._run = self._run, None
+        if run and run["writer"] is not None:
+            run["writer"].close()
+
+    # -- values ------------------------------------------------------------
+
+    def _values(self, latest, totals, window, run) -> dict:
+        monitor = run["monitor"]
+        names = list(monitor.keys) + (["grad_norm"] if self.gradient_norm else [])
+        values = {}
+        for column, name in enumerate(names):
+            if latest.ndim == 2 and column < latest.shape[1]:
+                for replica, value in enumerate(latest[:, column]):
+                    values[f"{name}/replica_{replica}"] = float(value)
+        samples = totals[:, _SAMPLES] - window.totals[:, _SAMPLES]
+        for replica, value in enumerate(samples):
+            values[f"samples/replica_{replica}"] = float(value)
+        times = window.worker_times(time.perf_counter(), totals, run)
+        if times is not None:
+            step_times, wall = times
+            for worker, value in enumerate(step_times):
+                values[f"step_time/worker_{worker}"] = float(value)
+            per_worker = samples.reshape(run["workers"], run["per_worker"]).sum(axis=1)
+            for worker, value in enumerate(per_worker):
+                values[f"samples_per_sec/worker_{worker}"] = float(value / wall)
+            values["step_time_ratio"] = float(
+                np.max(step_times) / max(np.min(step_times), 1e-12)
+            )
+        return values
+
+    def _check_stragglers(self, times) -> None:
+        if times is None:
+            return
+        step_times, _ = times
+        run = self._run
+        median = float(np.median(step_times))
+        slow = {
+            w for w, t in enumerate(step_times) if t > self.straggler_factor * median
+        }
+        for worker in sorted(slow - run["straggling"]):
+            if run["chief"]:
+                warnings.warn(
+                    f"PerReplicaMetrics: worker {worker} is a straggler: "
+                    f"{step_times[worker] * 1000:.1f} ms per step over the last "
+                    f"{self.straggler_steps} steps, {step_times[worker] / median:.1f}x "
+                    f"the median of the {len(step_times)} workers "
+                    f"({median * 1000:.1f} ms). Check its input pipeline, host "
+                    "load and device.",
+                    stacklevel=2,
+                )
+        run["straggling"] = slow
+
+    def _write(self, values: dict, step: int) -> None:
+        run = self._run
+        run["written"] = step
+        if not run["chief"] or not values:
+            return
+        if self.csv_path:
+            if run["csv"] is None:
+                run["csv"] = sorted(values)
+                directory = os.path.dirname(os.path.abspath(self.csv_path))
+                os.makedirs(directory, exist_ok=True)
+                with open(self.csv_path, "w", newline="") as f:
+                    csv.writer(f).writerow(["epoch", "step", *run["csv"]])
+            with open(self.csv_path, "a", newline="") as f:
+                csv.writer(f).writerow(
+                    [run["epoch"], step, *(values.get(k, "") for k in run["csv"])]
+                )
+        if run["writer"] is not None:
+            with run["writer"].as_default(step=step):
+                for key, value in values.items():
+                    # `tf.summary.scalar` needs the tensorboard package;
+                    # `tf.summary.write` with the scalars plugin's metadata
+                    # writes the same event without it.
+                    tf.summary.write(
+                        key,
+                        tf.constant(value, tf.float32),
+                        metadata=_SCALAR_METADATA,
+                    )
+            run["writer"].flush()
+
+
+class _Window:
+    """Host time and in-graph totals at the start of a measurement window."""
+
+    def __init__(self, start: float, totals):
+        self.start = start
+        self.totals = np.array(totals, copy=True)
+
+    def worker_times(self, now: float, totals, run):
+        """(busy seconds per step per worker, wall seconds) or None."""
+        delta = totals - self.totals
+        steps = float(delta[0, _STEPS]) if delta.size else 0.0
+        wall = now - self.start
+        if steps <= 0 or wall <= 0:
+            return None
+        waited = delta[:, _WAITED].reshape(run["workers"], run["per_worker"])
+        busy = (wall - waited.mean(axis=1)) / steps
+        return np.maximum(busy, 0.0), wall
+
+
+def _is_positive_int(value) -> bool:
+    return (
+        isinstance(value, numbers.Integral)
+        and not isinstance(value, bool)
+        and value > 0
+    )
+
+
+def _has_custom_train_step(model) -> bool:
+    from keras_dist.distributed_model import DistributedModel
+
+    return type(model).train_step is not DistributedModel.train_step
