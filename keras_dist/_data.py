@@ -85,6 +85,17 @@ def global_batch_size(
     return size
 
 
+def static_batch_size(x) -> int | None:
+    """The fixed global batch of a `tf.data.Dataset`, when its spec says it."""
+    if not isinstance(x, tf.data.Dataset):
+        return None
+    leaves = tf.nest.flatten(x.element_spec)
+    if not leaves or not hasattr(leaves[0], "shape"):
+        return None
+    shape = leaves[0].shape
+    return int(shape[0]) if shape.rank and shape[0] is not None else None
+
+
 def _check_dataset_batch(x, replicas: int) -> None:
     if not isinstance(x, tf.data.Dataset) or replicas == 1:
         return

@@ -312,7 +312,7 @@ class DistributedModel(keras.Model):
         self._kd_monitor = None if monitor is None else monitor._kd_monitor(self)
         if getattr(self, "_kd_train_monitor", None) is not self._kd_monitor:
             self.train_function = None
-        global_batch = batch_size
+        global_batch = batch_size or _data.static_batch_size(x)
         cursor = _data.DataCursor(
             _data.input_kind(x), persistent=steps_per_epoch is not None
         )
@@ -346,6 +346,7 @@ class DistributedModel(keras.Model):
             num_samples=num_samples,
             batch_size=global_batch,
             steps_per_epoch=steps_per_epoch,
+            dataset=x if isinstance(x, tf.data.Dataset) else None,
         )
         try:
             with _scope(strategy), _keras_compat.counting_train_iterator(cursor):
@@ -506,6 +507,7 @@ class _FitContext:
     num_samples: int | None
     batch_size: int | None
     steps_per_epoch: int | None
+    dataset: tf.data.Dataset | None = None  # the training input, if a Dataset
 
 
 def _find_backup(callbacks):

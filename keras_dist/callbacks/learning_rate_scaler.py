@@ -317,6 +317,11 @@ class LearningRateScaler(keras.callbacks.Callback):
     def _global_batch(self):
         context = getattr(self.model, "_kd_fit_context", None)
         batch = getattr(context, "batch_size", None)
+        dataset = getattr(context, "dataset", None)
+        if batch is None and dataset is not None:
+            # Batched without drop_remainder: read the first batch's size.
+            for element in dataset.take(1):
+                batch = int(tf.shape(tf.nest.flatten(element)[0])[0])
         if batch is None:
             raise ValueError(
                 "LearningRateScaler(base_batch_size=...) needs the global batch "
