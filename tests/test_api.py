@@ -16,6 +16,7 @@ def test_top_level_names():
         "distribute",
         "launch",
         "resolve_strategy",
+        "scale_learning_rate",
         "simulate_replicas",
     ]
     assert keras_dist.__all__ == sorted(keras_dist.__all__)
@@ -74,7 +75,11 @@ def test_callbacks_names_and_parity():
 
     from keras_dist import callbacks
 
-    assert callbacks.__all__ == sorted(callbacks.__all__) == ["BackupAndRestore"]
+    assert callbacks.__all__ == sorted(callbacks.__all__) == [
+        "BackupAndRestore",
+        "LearningRateScaler",
+        "PerReplicaMetrics",
+    ]
     ours = inspect.signature(callbacks.BackupAndRestore.__init__)
     assert str(ours) == (
         "(self, backup_dir: 'str | os.PathLike', "
