@@ -54,7 +54,8 @@ def test_chief_writes_csv_and_summaries_without_tensorboard(tmp_path):
     path, log_dir = tmp_path / "r" / "m.csv", tmp_path / "tb"
     model.fit(X, Y, batch_size=4, epochs=2, shuffle=False, verbose=0,
               callbacks=[PerReplicaMetrics(2, csv_path=path, log_dir=log_dir)])
-    rows = list(csv.DictReader(open(path)))
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
     assert [(r["epoch"], r["step"]) for r in rows] == [
         ("0", "2"), ("0", "4"), ("1", "6"), ("1", "8")
     ]
