@@ -510,28 +510,27 @@ class _FitContext:
     dataset: tf.data.Dataset | None = None  # the training input, if a Dataset
 
 
-def _find_backup(callbacks):
-    from keras_dist.callbacks.backup_and_restore import BackupAndRestore
-
-    found = [c for c in callbacks or [] if isinstance(c, BackupAndRestore)]
+def _find_one(callbacks, cls):
+    """The single instance of `cls` among `callbacks`, or None."""
+    found = [c for c in callbacks or [] if isinstance(c, cls)]
     if len(found) > 1:
         raise ValueError(
-            "Argument `callbacks` holds more than one BackupAndRestore. "
+            f"Argument `callbacks` holds more than one {cls.__name__}. "
             f"Received: {len(found)} of them. Pass a single one."
         )
     return found[0] if found else None
+
+
+def _find_backup(callbacks):
+    from keras_dist.callbacks.backup_and_restore import BackupAndRestore
+
+    return _find_one(callbacks, BackupAndRestore)
 
 
 def _find_monitor(callbacks):
     from keras_dist.callbacks.per_replica_metrics import PerReplicaMetrics
 
-    found = [c for c in callbacks or [] if isinstance(c, PerReplicaMetrics)]
-    if len(found) > 1:
-        raise ValueError(
-            "Argument `callbacks` holds more than one PerReplicaMetrics. "
-            f"Received: {len(found)} of them. Pass a single one."
-        )
-    return found[0] if found else None
+    return _find_one(callbacks, PerReplicaMetrics)
 
 
 def _off_strategy(variables, strategy) -> bool:
