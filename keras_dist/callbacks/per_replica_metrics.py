@@ -79,7 +79,8 @@ class _ReplicaMonitor:
 
         def monitored_step(data):
             context = tf.distribute.get_replica_context()
-            arrived = tf.timestamp()
+            with tf.control_dependencies(tf.nest.flatten(data)):
+                arrived = tf.timestamp()
             with tf.control_dependencies([arrived]):
                 barrier = context.all_reduce("SUM", tf.zeros([]))
             with tf.control_dependencies([barrier]):

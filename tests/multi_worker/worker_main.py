@@ -156,6 +156,31 @@ elif scenario == "coverage":
         model.fit(ds, epochs=epochs, verbose=0, callbacks=[Tally()])
     results["seen"] = seen
 
+elif scenario == "callbacks":
+    # LearningRateScaler + PerReplicaMetrics; rank `slow` sleeps after each
+    # step, so the chief must name it as a straggler.
+    from keras_dist.callbacks import LearningRateScaler, PerReplicaMetrics
+
+    x, y = data(n=64)
+    model = build(False)
+    model.compile(keras.optimizers.SGD(0.01), "mse", metrics=["mae"])
+    callbacks = [
+        LearningRateScaler(warmup_steps=4),
+        PerReplicaMetrics(csv_path=os.path.join(out_dir, "replicas.csv"),
+                          straggler_steps=4),
+    ]
+    if rank == int(opts.get("slow", -1)):
+
+        class Sleep(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch_index, logs=None):
+                time.sleep(0.15)
+
+        callbacks.append(Sleep())
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                        callbacks=callbacks)
+    for key, values in history.history.items():
+        results[key.replace("/", "__")] = np.array(values)
+
 else:
     raise SystemExit(f"unknown scenario {scenario!r}")
 
