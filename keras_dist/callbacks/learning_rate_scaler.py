@@ -281,12 +281,11 @@ class LearningRateScaler(keras.callbacks.Callback):
                 f"exclusive. Received: warmup_steps={warmup_steps}, "
                 f"warmup_epochs={warmup_epochs}. Pass one of them."
             )
-        for name, value in (("momentum_correction", momentum_correction),):
-            if not isinstance(value, bool):
-                raise TypeError(
-                    f"Invalid type for argument `{name}`. Expected a bool. "
-                    f"Received: {name}={value!r}"
-                )
+        if not isinstance(momentum_correction, bool):
+            raise TypeError(
+                "Invalid type for argument `momentum_correction`. Expected a "
+                f"bool. Received: momentum_correction={momentum_correction!r}"
+            )
         if verbose not in (0, 1) or isinstance(verbose, bool):
             raise ValueError(
                 "Invalid value for argument `verbose`. Expected 0 or 1. "
