@@ -91,9 +91,19 @@ def reduce_per_replica(values, strategy, reduction: str):
     return keras_tf_trainer.reduce_per_replica(values, strategy, reduction)
 
 
-def make_function(model, step_function):
-    """Builds a train/test function; a replacement for `_make_function`."""
+def make_function(model, step_function, before_input=None):
+    """Builds a train/test function; a replacement for `_make_function`.
+
+    `before_input`, if given, is called in cross-replica context before each
+    step reads its input and returns tensors that the read waits for.
+    """
     strategy = model.distribute_strategy
+
+    def next_input(iterator, get):
+        if before_input is None:
+            return get(iterator)
+        with tf.control_dependencies(before_input()):
+            return get(iterator)
     steps_per_execution = int(model.steps_per_execution)
 
     @tf.autograph.experimental.do_not_convert
@@ -116,9 +126,9 @@ def make_function(model, step_function):
     def multi_step_on_iterator(iterator):
         # Fix 3: the first step raises OutOfRangeError at the end of the data
         # (Keras turns it into StopIteration); later steps stop quietly.
-        outputs = inline_step(next(iterator))
+        outputs = inline_step(next_input(iterator, next))
         for _ in tf.range(steps_per_execution - 1):
-            optional = iterator.get_next_as_optional()
+            optional = next_input(iterator, _get_next_as_optional)
             if not optional.has_value():
                 break
             outputs = inline_step(optional.get_value())
@@ -127,7 +137,7 @@ def make_function(model, step_function):
     if steps_per_execution == 1:
 
         def multi_step_on_iterator(iterator):
-            return one_step_on_data(next(iterator))
+            return one_step_on_data(next_input(iterator, next))
 
     if not model.run_eagerly:
         multi_step_on_iterator = tf.function(
@@ -145,6 +155,10 @@ def make_function(model, step_function):
         return outputs
 
     return function
+
+
+def _get_next_as_optional(iterator):
+    return iterator.get_next_as_optional()
 
 
 def iter_sublayers(model):

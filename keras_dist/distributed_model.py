@@ -243,7 +243,9 @@ class DistributedModel(keras.Model):
         monitor = getattr(self, "_kd_monitor", None)
         step = self.train_step if monitor is None else monitor.wrap(self.train_step)
         self._kd_train_monitor = monitor
-        self.train_function = _keras_compat.make_function(self, step)
+        self.train_function = _keras_compat.make_function(
+            self, step, before_input=None if monitor is None else monitor.before_input
+        )
         return self.train_function
 
     def make_test_function(self, force=False):

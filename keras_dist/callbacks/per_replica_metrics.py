@@ -28,10 +28,15 @@ _SAMPLES, _WAITED, _STEPS = 0, 1, 2
 class _ReplicaMonitor:
     """The in-graph half of `PerReplicaMetrics`, owned by one strategy.
 
-    Every training step, inside `strategy.run`:
-    1. a one-scalar all-reduce (a barrier) timed on each replica: the time a
-       replica waits there is time it spent ready while a peer was not;
-    2. the step itself (the model's `train_step`);
+    Every training step:
+    1. before the step reads its input, a one-scalar all-reduce (a barrier)
+       timed on each replica: the time a replica waits there is time it
+       spent ready while a peer was not (e.g. a worker whose host is slow
+       between steps). The barrier must come first: under
+       MultiWorkerMirroredStrategy reading a distributed batch is itself a
+       collective, and a fast worker would wait there, unmeasured;
+    2. inside `strategy.run`, the same barrier again once the batch is
+       there (a replica whose input came late), then the step itself (the model's `train_step`);
     3. one `all_gather` of each replica's local values: its running metric
        results (Keras' metric variables are per replica until read), the
        samples of its shard, its barrier wait and, with the built-in
@@ -63,6 +68,13 @@ class _ReplicaMonitor:
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
                 name="kd_per_replica_totals",
             )
+            self.input_wait = tf.Variable(
+                0.0,
+                trainable=False,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                name="kd_per_replica_input_wait",
+            )
 
     @property
     def trace_values(self) -> dict:
@@ -73,6 +85,22 @@ class _ReplicaMonitor:
     @trace_values.setter
     def trace_values(self, values: dict) -> None:
         self._local.values = values
+
+    def before_input(self) -> list:
+        """The barrier before a step reads its input (cross-replica context)."""
+        monitor = self
+
+        def barrier():
+            context = tf.distribute.get_replica_context()
+            arrived = tf.timestamp()
+            with tf.control_dependencies([arrived]):
+                done = context.all_reduce("SUM", tf.zeros([]))
+            with tf.control_dependencies([done]):
+                waited = tf.timestamp() - arrived
+            return monitor.input_wait.assign(tf.cast(waited, tf.float32))
+
+        results = self.strategy.run(barrier)
+        return list(self.strategy.experimental_local_results(results))
 
     def wrap(self, step_function):
         monitor = self
@@ -105,7 +133,7 @@ class _ReplicaMonitor:
             compute = tf.cast(finished - started, tf.float32)
             values += [
                 tf.cast(tf.shape(first)[0], tf.float32),
-                tf.cast(started - arrived, tf.float32),
+                tf.cast(started - arrived, tf.float32) + monitor.input_wait,
                 compute,
             ]
             table = context.all_gather(tf.stack(values)[None, :], axis=0)

@@ -14,7 +14,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "worker_main.py")
 
 def test_both_callbacks_on_two_workers(tmp_path):
     out = tmp_path / "job"
-    run_workers(WORKER, ["callbacks", str(out), "slow=1"])
+    outputs = run_workers(WORKER, ["callbacks", str(out), "slow=1"])
     for rank in (0, 1):
         got = np.load(out / f"rank{rank}.npz")
         # 2 replicas: the rate after the 4-step warmup is 2 x 0.01.
@@ -27,6 +27,14 @@ def test_both_callbacks_on_two_workers(tmp_path):
             rtol=1e-5,
         )
         assert (got["step_time__worker_0"] > 0).all()
+    # Worker 1 sleeps 150 ms after each step; worker 0 waits for it in the
+    # barrier before the input, so only worker 1's step time carries it, and
+    # the chief names it.
+    for rank in (0, 1):
+        got = np.load(out / f"rank{rank}.npz")
+        assert (got["step_time__worker_1"] > got["step_time__worker_0"] + 0.1).all()
+    assert "worker 1 is a straggler" in outputs[0]
+    assert "straggler" not in outputs[1]
     # Both workers ran the same collectives (the job finished) and the chief
     # wrote its CSV.
     assert (out / "replicas.csv").exists()
