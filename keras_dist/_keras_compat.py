@@ -248,8 +248,9 @@ def train_step(model, data):
 def _monitor_gradients(monitor, model, gradients, factor) -> None:
     """Hands `PerReplicaMetrics` the local compute end time and gradient norm."""
     present = [g for g in gradients if g is not None]
-    with tf.control_dependencies(present):
-        monitor.trace_values["compute_done"] = tf.timestamp()
+    if monitor.multi_worker:
+        with tf.control_dependencies(present):
+            monitor.trace_values["compute_done"] = tf.timestamp()
     if not monitor.gradient_norm:
         return
     # The gradients are of the replica's mean loss times 1/N (Keras'

@@ -299,6 +299,9 @@ class LearningRateScaler(keras.callbacks.Callback):
         self.warmup_steps = warmup_steps
         self.momentum_correction = momentum_correction
         self.verbose = verbose
+        # Without per-step logging, nothing here needs Keras to wait for each
+        # step's logs: keep its asynchronous callback dispatch.
+        self.async_safe = not verbose
         # Per-run state (set when fit starts, cleared when it ends).
         self._installed = None
         self.factor = None

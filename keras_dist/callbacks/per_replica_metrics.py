@@ -40,14 +40,19 @@ class _ReplicaMonitor:
     3. one `all_gather` of each replica's local values: its running metric
        results (Keras' metric variables are per replica until read), the
        samples of its shard, its barrier wait and, with the built-in
-       `train_step`, its compute time and gradient norm.
+       `train_step`, its compute time and gradient norm. With a single
+       worker each replica keeps its own row instead, and the host reads
+       every replica's copy when it logs.
     The gathered table is kept in variables that the host reads only when it
-    logs: no extra host synchronization per step.
+    logs: no extra host synchronization per step. With a single worker there
+    is no peer to wait for (its step time is its wall time), and the two
+    barriers are left out.
     """
 
     def __init__(self, strategy, gradient_norm: bool):
         self.strategy = strategy
         self.gradient_norm = gradient_norm
+        self.multi_worker = worker_info(strategy).num_workers > 1
         self.keys: list[str] = []
         # Filled while the built-in train_step is traced. MirroredStrategy
         # traces each replica in its own thread: one dict per thread.
@@ -89,6 +94,8 @@ class _ReplicaMonitor:
     def before_input(self) -> list:
         """The barrier before a step reads its input (cross-replica context)."""
         monitor = self
+        if not self.multi_worker:
+            return []
 
         def barrier():
             context = tf.distribute.get_replica_context()
@@ -107,13 +114,16 @@ class _ReplicaMonitor:
 
         def monitored_step(data):
             context = tf.distribute.get_replica_context()
-            with tf.control_dependencies(tf.nest.flatten(data)):
-                arrived = tf.timestamp()
-            with tf.control_dependencies([arrived]):
-                barrier = context.all_reduce("SUM", tf.zeros([]))
-            with tf.control_dependencies([barrier]):
-                started = tf.timestamp()
-                monitor.trace_values = {}
+            monitor.trace_values = {}
+            if monitor.multi_worker:
+                with tf.control_dependencies(tf.nest.flatten(data)):
+                    arrived = tf.timestamp()
+                with tf.control_dependencies([arrived]):
+                    barrier = context.all_reduce("SUM", tf.zeros([]))
+                with tf.control_dependencies([barrier]):
+                    started = tf.timestamp()
+                    logs = step_function(data)
+            else:
                 logs = step_function(data)
             scalars = {
                 k: v
@@ -127,25 +137,37 @@ class _ReplicaMonitor:
                     tf.cast(monitor.trace_values.get("grad_norm", float("nan")), tf.float32)
                 )
             first = next(t for t in tf.nest.flatten(data) if t is not None)
-            with tf.control_dependencies(values):
-                finished = monitor.trace_values.get("compute_done")
-                finished = tf.timestamp() if finished is None else finished
-            compute = tf.cast(finished - started, tf.float32)
-            values += [
-                tf.cast(tf.shape(first)[0], tf.float32),
-                tf.cast(started - arrived, tf.float32) + monitor.input_wait,
-                compute,
-            ]
-            table = context.all_gather(tf.stack(values)[None, :], axis=0)
-            computes = table[:, -1]
-            # A replica that computes faster waits for the slowest one in the
-            # gradient all-reduce: count that as waiting too.
-            lag = tf.reduce_max(computes) - computes
-            increments = tf.stack(
-                [table[:, -3], table[:, -2] + lag, tf.ones_like(lag)], axis=1
-            )
+            waited = compute = tf.zeros([])
+            if monitor.multi_worker:
+                with tf.control_dependencies(values):
+                    finished = monitor.trace_values.get("compute_done")
+                    finished = tf.timestamp() if finished is None else finished
+                compute = tf.cast(finished - started, tf.float32)
+                waited = tf.cast(started - arrived, tf.float32) + monitor.input_wait
+            values += [tf.cast(tf.shape(first)[0], tf.float32), waited, compute]
+            row = tf.stack(values)[None, :]
+            if monitor.multi_worker:
+                table = context.all_gather(row, axis=0)
+                computes = table[:, -1]
+                # A replica that computes faster waits for the slowest one in
+                # the gradient all-reduce: count that as waiting too.
+                lag = tf.reduce_max(computes) - computes
+                increments = tf.stack(
+                    [table[:, -3], table[:, -2] + lag, tf.ones_like(lag)], axis=1
+                )
+                latest = table[:, :-3]
+            else:
+                # One worker: every replica is in this process, and the host
+                # reads each one's own copy (no collective per step).
+                mine = tf.one_hot(
+                    context.replica_id_in_sync_group,
+                    context.num_replicas_in_sync,
+                    dtype=tf.float32,
+                )[:, None]
+                increments = mine * tf.stack([row[0, -3], 0.0, 1.0])[None, :]
+                latest = row[:, :-3]
             updates = [
-                monitor.latest.assign(table[:, :-3]),
+                monitor.latest.assign(latest),
                 monitor.totals.assign_add(increments),
             ]
             with tf.control_dependencies(updates):
@@ -154,7 +176,15 @@ class _ReplicaMonitor:
         return monitored_step
 
     def read(self):
-        return self.latest.numpy(), self.totals.numpy()
+        """(latest values [replicas, keys], totals [replicas, 3]) on the host."""
+        if self.multi_worker:
+            return self.latest.numpy(), self.totals.numpy()
+        local = self.strategy.experimental_local_results
+        latest = [v.numpy() for v in local(self.latest)]
+        totals = [v.numpy() for v in local(self.totals)]
+        if any(v.ndim != 2 for v in latest):  # before the first step
+            return np.zeros([0, 0], np.float32), sum(totals)
+        return np.concatenate(latest), sum(totals)
 
 
 class PerReplicaMetrics(keras.callbacks.Callback):
@@ -276,6 +306,10 @@ class PerReplicaMetrics(keras.callbacks.Callback):
         # One monitor per strategy (its variables live on that strategy).
         self._monitors: dict = {}
         self._run = None  # per-run state, reset in on_train_begin
+        # Keras may run `on_train_batch_end` in a thread pool (it does not
+        # touch the logs): the per-step bookkeeping takes a lock.
+        self.async_safe = True
+        self._lock = threading.Lock()
 
     # -- hooks for DistributedModel.fit ------------------------------------
 
@@ -348,13 +382,17 @@ class PerReplicaMetrics(keras.callbacks.Callback):
         run["epoch_window"] = _Window(time.perf_counter(), run["monitor"].read()[1])
 
     def on_train_batch_end(self, batch, logs=None):
+        with self._lock:
+            self._on_train_batch_end()
+
+    def _on_train_batch_end(self):
         run = self._run
         steps = int(getattr(self.model, "steps_per_execution", 1) or 1)
         run["steps"] += steps
         run["since_update"] += steps
         run["since_check"] += steps
         latest = totals = None
-        if run["since_check"] >= self.straggler_steps:
+        if run["workers"] > 1 and run["since_check"] >= self.straggler_steps:
             run["since_check"] = 0
             latest, totals = run["monitor"].read()
             now = time.perf_counter()
@@ -473,8 +511,10 @@ class _Window:
         wall = now - self.start
         if steps <= 0 or wall <= 0:
             return None
+        # A worker is as busy as its busiest replica: the one that waited
+        # least.
         waited = delta[:, _WAITED].reshape(run["workers"], run["per_worker"])
-        busy = (wall - waited.mean(axis=1)) / steps
+        busy = (wall - waited.min(axis=1)) / steps
         return np.maximum(busy, 0.0), wall
 
 
