@@ -306,8 +306,10 @@ class PerReplicaMetrics(keras.callbacks.Callback):
         # One monitor per strategy (its variables live on that strategy).
         self._monitors: dict = {}
         self._run = None  # per-run state, reset in on_train_begin
-        # Keras may run `on_train_batch_end` in a thread pool (it does not
-        # touch the logs): the per-step bookkeeping takes a lock.
+        # On one worker Keras may run `on_train_batch_end` in a thread pool
+        # (it does not touch the logs): the bookkeeping takes a lock. With
+        # several workers it reads the timings every `straggler_steps` steps,
+        # in step with the training loop (set in `_kd_monitor`).
         self.async_safe = True
         self._lock = threading.Lock()
 
@@ -329,6 +331,7 @@ class PerReplicaMetrics(keras.callbacks.Callback):
         if monitor is None or monitor.strategy is not strategy:
             monitor = _ReplicaMonitor(strategy, self.gradient_norm)
             self._monitors[key] = monitor
+        self.async_safe = not monitor.multi_worker
         return monitor
 
     # -- per run -----------------------------------------------------------
