@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import numbers
 import os
@@ -312,6 +313,24 @@ class PerReplicaMetrics(keras.callbacks.Callback):
         # in step with the training loop (set in `_kd_monitor`).
         self.async_safe = True
         self._lock = threading.Lock()
+
+    def __deepcopy__(self, memo):
+        # keras-tuner copies the callbacks of every trial: the copy gets the
+        # configuration, a lock of its own and no in-graph monitors (their
+        # variables belong to the strategy the original ran on).
+        copied = self.__class__.__new__(self.__class__)
+        memo[id(self)] = copied
+        for key, value in self.__dict__.items():
+            if key == "_lock":
+                value = threading.Lock()
+            elif key == "_monitors":
+                value = {}
+            elif key in ("_run", "_model"):
+                value = None
+            else:
+                value = copy.deepcopy(value, memo)
+            copied.__dict__[key] = value
+        return copied
 
     # -- hooks for DistributedModel.fit ------------------------------------
 

@@ -1,0 +1,262 @@
+"""The chief's oracle service and the workers' client, on keras-tuner's gRPC.
+
+Both sides speak keras-tuner's own `Oracle` gRPC service unchanged (its
+messages, its servicer, its client). What is added around them:
+
+- chief: the server runs until the search is over, checked every fraction
+  of a second (keras-tuner's loop sleeps 20 s at a time); every call from a
+  tuner worker counts as a sign of life, and a worker silent for longer than
+  `worker_timeout` has its running trial ended as `INVALID` (keras-tuner then
+  retries it, up to `max_retries_per_trial`, or marks it `FAILED`) and is
+  forgotten, so a dead worker never keeps the chief waiting;
+- worker: the first contact waits at most `connect_timeout` for the chief,
+  every call has a deadline of `call_timeout` (keras-tuner's is one hour),
+  and while a trial runs a background thread calls `GetTrial` every
+  `heartbeat_interval` seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from keras_tuner.src import protos
+from keras_tuner.src.distribute import oracle_client
+from keras_tuner.src.distribute.oracle_chief import OracleServicer
+from keras_tuner.src.engine import trial as trial_module
+from keras_tuner.src.engine.oracle import synchronized
+
+
+def oracle_address() -> str:
+    return (
+        f"{os.environ['KERASTUNER_ORACLE_IP']}:{os.environ['KERASTUNER_ORACLE_PORT']}"
+    )
+
+
+class _Servicer(OracleServicer):
+    """keras-tuner's servicer, noting when each tuner id was last heard of."""
+
+    def __init__(self, oracle):
+        super().__init__(oracle)
+        self.lock = threading.Lock()
+        now = time.monotonic()
+        # Tuner ids known from a reloaded state start their clock now.
+        self.last_seen = {tuner_id: now for tuner_id in oracle.tuner_ids}
+        self.last_seen.update({t: now for t in oracle.ongoing_trials})
+
+    def _seen(self, tuner_id=None, trial_id=None) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if tuner_id is not None:
+                self.last_seen[tuner_id] = now
+            if trial_id is not None:
+                for tid, trial in list(self.oracle.ongoing_trials.items()):
+                    if trial.trial_id == trial_id:
+                        self.last_seen[tid] = now
+
+    def silent(self, timeout: float) -> list[str]:
+        """Tuner ids that hold a trial or a place, silent for `timeout` s."""
+        now = time.monotonic()
+        known = _known_tuners(self.oracle)
+        with self.lock:
+            for tuner_id in known:
+                self.last_seen.setdefault(tuner_id, now)
+            return sorted(
+                t for t in known if now - self.last_seen[t] > timeout
+            )
+
+    def CreateTrial(self, request, context):
+        self._seen(tuner_id=request.tuner_id)
+        return super().CreateTrial(request, context)
+
+    def UpdateTrial(self, request, context):
+        self._seen(trial_id=request.trial_id)
+        return super().UpdateTrial(request, context)
+
+    def EndTrial(self, request, context):
+        self._seen(trial_id=request.trial.trial_id)
+        _forget_retry(self.oracle, request.trial.trial_id)
+        return super().EndTrial(request, context)
+
+    def GetTrial(self, request, context):
+        self._seen(trial_id=request.trial_id)
+        return super().GetTrial(request, context)
+
+
+@synchronized
+def _known_tuners(oracle) -> set:
+    return set(oracle.tuner_ids) | set(oracle.ongoing_trials)
+
+
+@synchronized
+def _forget_retry(oracle, trial_id) -> None:
+    # A worker that outlived a chief restart ends a trial that the reloaded
+    # chief had queued for a retry: it is done, do not run it again.
+    while trial_id in oracle._retry_queue:
+        oracle._retry_queue.remove(trial_id)
+
+
+@synchronized
+def _reap(oracle, tuner_id: str, message: str) -> str | None:
+    """Ends `tuner_id`'s running trial as INVALID and forgets the tuner."""
+    trial = oracle.ongoing_trials.get(tuner_id)
+    ended = None
+    if trial is not None:
+        ended = trial_module.Trial.from_proto(trial.to_proto())
+        ended.status = trial_module.TrialStatus.INVALID
+        ended.message = message
+        oracle.end_trial(ended)
+    oracle.tuner_ids.discard(tuner_id)
+    return None if ended is None else ended.trial_id
+
+
+@synchronized
+def _search_over(oracle) -> bool:
+    return not oracle.ongoing_trials and not oracle.tuner_ids
+
+
+def serve(oracle, *, worker_timeout: float, poll: float = 0.2) -> None:
+    """Runs the oracle service at KERASTUNER_ORACLE_IP:PORT until the end."""
+    address = oracle_address()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    servicer = _Servicer(oracle)
+    protos.get_service_grpc().add_OracleServicer_to_server(servicer, server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
+    if not port:
+        raise RuntimeError(
+            f"keras_dist.tuner: the chief could not serve the oracle at "
+            f"{address} (KERASTUNER_ORACLE_IP, KERASTUNER_ORACLE_PORT): the "
+            "port is in use or the address is not this machine's. Pick a "
+            "free port, or let keras-dist tune pick one."
+        )
+    server.start()
+    _say(f"oracle serving at {address}")
+    try:
+        while True:
+            time.sleep(poll)
+            for tuner_id in servicer.silent(worker_timeout):
+                trial_id = _reap(
+                    oracle,
+                    tuner_id,
+                    f"tuner worker {tuner_id!r} stopped responding (silent "
+                    f"for more than worker_timeout={worker_timeout:g}s)",
+                )
+                _say(
+                    f"tuner worker {tuner_id!r} has been silent for more than "
+                    f"{worker_timeout:g}s: "
+                    + (
+                        f"trial {trial_id} ended as invalid (retried up to "
+                        "max_retries_per_trial times, else failed)"
+                        if trial_id is not None
+                        else "forgotten"
+                    )
+                )
+            if servicer.stop_triggered and _search_over(oracle):
+                break
+    finally:
+        server.stop(grace=1.0).wait()
+    _say("search finished; oracle stopped")
+
+
+def _say(message: str) -> None:
+    print(f"[keras_dist.tuner] {message}", flush=True)
+
+
+class _DeadlineStub:
+    """The gRPC stub, with our deadline on every call and a clear error."""
+
+    def __init__(self, stub, timeout: float, address: str):
+        self._stub = stub
+        self._timeout = timeout
+        self._address = address
+
+    def __getattr__(self, name):
+        method = getattr(self._stub, name)
+
+        def call(request, **kwargs):
+            kwargs["timeout"] = self._timeout
+            kwargs.setdefault("wait_for_ready", True)
+            try:
+                return method(request, **kwargs)
+            except grpc.RpcError as e:
+                code = e.code() if hasattr(e, "code") else None
+                if code in (
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.StatusCode.UNAVAILABLE,
+                ):
+                    raise ConnectionError(
+                        f"keras_dist.tuner: the oracle at {self._address} did "
+                        f"not answer {name} within call_timeout="
+                        f"{self._timeout:g}s ({code.name}). The chief has "
+                        "stopped or is unreachable."
+                    ) from e
+                raise
+
+        return call
+
+
+class Client(oracle_client.OracleClient):
+    """keras-tuner's `OracleClient` with bounded waits and a heartbeat."""
+
+    def __init__(
+        self,
+        oracle,
+        *,
+        connect_timeout: float,
+        call_timeout: float,
+        heartbeat_interval: float,
+    ):
+        # keras-tuner's __init__ builds a channel and a stub with a one-hour
+        # deadline; ours keeps the channel to check it is reachable.
+        self._oracle = oracle
+        self.tuner_id = os.environ["KERASTUNER_TUNER_ID"]
+        self.multi_worker = False
+        self.should_report = True
+        address = oracle_address()
+        self._channel = grpc.insecure_channel(address)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise ConnectionError(
+                f"keras_dist.tuner: could not reach the oracle at {address} "
+                f"(KERASTUNER_ORACLE_IP, KERASTUNER_ORACLE_PORT) within "
+                f"connect_timeout={connect_timeout:g}s. Start the chief "
+                "(KERASTUNER_TUNER_ID=chief; keras-dist tune starts it for "
+                "you), check the address, or raise connect_timeout."
+            ) from None
+        self.stub = _DeadlineStub(
+            protos.get_service_grpc().OracleStub(self._channel), call_timeout, address
+        )
+        self._heartbeat_interval = heartbeat_interval
+        self._beat: tuple[threading.Thread, threading.Event] | None = None
+
+    def start_heartbeat(self, trial_id: str) -> None:
+        self.stop_heartbeat()
+        stop = threading.Event()
+        request = protos.get_service().GetTrialRequest(trial_id=trial_id)
+
+        def beat():
+            while not stop.wait(self._heartbeat_interval):
+                try:
+                    self.stub.GetTrial(request)
+                except (ConnectionError, grpc.RpcError):
+                    # The trial's own next call to the chief reports it.
+                    return
+
+        thread = threading.Thread(target=beat, name="kd-tuner-heartbeat", daemon=True)
+        thread.start()
+        self._beat = (thread, stop)
+
+    def stop_heartbeat(self) -> None:
+        if self._beat is not None:
+            thread, stop = self._beat
+            stop.set()
+            thread.join(timeout=5)
+            self._beat = None

@@ -1,0 +1,279 @@
+"""`DistributedTuner`: a keras-tuner tuner whose trials are distributed."""
+
+from __future__ import annotations
+
+import importlib.util
+import numbers
+
+import numpy as np
+import tensorflow as tf
+from keras_tuner.src.distribute import oracle_client
+from keras_tuner.src.distribute import utils as dist_utils
+from keras_tuner.src.engine import hyperparameters as hp_module
+from keras_tuner.src.engine import trial as trial_module
+from keras_tuner.src.engine.tuner import maybe_distribute
+
+from keras_dist.strategy import StrategySpec, resolve_strategy, worker_info
+from keras_dist.tuner import _oracle
+
+# Statuses a trial handed out by `create_trial` can have, for the broadcast
+# inside a multi-worker trial group.
+_STATUSES = (
+    trial_module.TrialStatus.RUNNING,
+    trial_module.TrialStatus.IDLE,
+    trial_module.TrialStatus.STOPPED,
+)
+_CODE_LENGTH = 64
+
+
+class DistributedTuner:
+    """Mixin: a keras-tuner `Tuner` whose every trial runs on a strategy.
+
+    Put it first in the bases of a keras-tuner tuner
+    (`class MySearch(DistributedTuner, keras_tuner.RandomSearch)`);
+    `keras_dist.tuner.RandomSearch` and friends are made this way. The
+    tuner keeps every keras-tuner argument; the keyword-only arguments
+    below are added.
+
+    Each trial's model is built under the strategy (a plain Keras model is
+    converted with `keras_dist.distribute`), so `fit` in a trial is
+    `DistributedModel.fit`: correct on every strategy, and
+    `LearningRateScaler`/`PerReplicaMetrics` apply per trial. keras-tuner's
+    first build (search-space discovery) also runs under the strategy.
+
+    In distributed search (the `KERASTUNER_*` variables, which
+    `keras-dist tune` sets) the process whose `KERASTUNER_TUNER_ID` contains
+    "chief" serves keras-tuner's gRPC oracle and trains nothing; it returns
+    from `search` as soon as the last worker is told to stop. A tuner
+    worker silent for `worker_timeout` seconds (dead, or cut off) has its
+    trial ended as invalid (keras-tuner retries it up to
+    `max_retries_per_trial` times, else marks it failed) and is forgotten.
+    Workers sharing one `KERASTUNER_TUNER_ID` and one `TF_CONFIG` cluster
+    form one `MultiWorkerMirroredStrategy` that runs one trial at a time:
+    the group's chief asks the oracle for the trial and broadcasts it to
+    the group with a collective, and only the group's chief reports.
+
+    Works whether or not the `tensorboard` package is installed (without
+    it, `TensorBoard` callbacks still get per-trial log directories, but no
+    HParams summary).
+
+    Args:
+        strategy: The strategy every trial runs on: a `tf.distribute.Strategy`
+            or a name for `keras_dist.resolve_strategy` (default `"auto"`).
+            Replaces keras-tuner's `distribution_strategy`. Unused on the
+            chief.
+        connect_timeout: Seconds a tuner worker waits for the chief's oracle
+            to be reachable before raising `ConnectionError` (default 120).
+        call_timeout: Deadline in seconds of each call to the oracle
+            (default 600; keras-tuner's is one hour).
+        heartbeat_interval: Seconds between a worker's signs of life while
+            a trial runs (default 5).
+        worker_timeout: Seconds of silence after which the chief gives a
+            worker's trial up (default 60). Must exceed twice
+            `heartbeat_interval`.
+
+    Example:
+
+    ```python
+    class MySearch(keras_dist.tuner.DistributedTuner, keras_tuner.Hyperband):
+        pass
+
+    tuner = MySearch(build_model, objective="val_accuracy", max_epochs=10,
+                     strategy="mirrored")
+    tuner.search(x, y, validation_split=0.2)
+    ```
+
+    Raises:
+        ValueError: `distribution_strategy` is given (use `strategy`), or a
+            timeout or interval is not a positive number, or
+            `worker_timeout <= 2 * heartbeat_interval`.
+        ConnectionError: a tuner worker could not reach the oracle within
+            `connect_timeout`.
+    """
+
+    def __init__(
+        self,
+        *args,
+        strategy: StrategySpec = "auto",
+        connect_timeout: float = 120.0,
+        call_timeout: float = 600.0,
+        heartbeat_interval: float = 5.0,
+        worker_timeout: float = 60.0,
+        **kwargs,
+    ):
+        if kwargs.get("distribution_strategy") is not None:
+            raise ValueError(
+                "keras_dist.tuner tuners take `strategy=`, not "
+                "`distribution_strategy=`. Received: distribution_strategy="
+                f"{kwargs['distribution_strategy']!r}. Pass "
+                "strategy=<the same strategy> instead."
+            )
+        for name, value in (
+            ("connect_timeout", connect_timeout),
+            ("call_timeout", call_timeout),
+            ("heartbeat_interval", heartbeat_interval),
+            ("worker_timeout", worker_timeout),
+        ):
+            if (
+                not isinstance(value, numbers.Real)
+                or isinstance(value, bool)
+                or not value > 0
+            ):
+                raise ValueError(
+                    f"Invalid value for argument `{name}`. Expected a positive "
+                    f"number of seconds. Received: {name}={value!r}"
+                )
+        if worker_timeout <= 2 * heartbeat_interval:
+            raise ValueError(
+                "Invalid value for argument `worker_timeout`. Expected more "
+                "than twice `heartbeat_interval`, so that a live worker is "
+                f"never given up. Received: worker_timeout={worker_timeout!r}, "
+                f"heartbeat_interval={heartbeat_interval!r}"
+            )
+        self._kd_timeouts = (
+            float(connect_timeout),
+            float(call_timeout),
+            float(heartbeat_interval),
+        )
+        self._kd_worker_timeout = float(worker_timeout)
+        # The chief only serves the oracle: it does not touch devices.
+        chief = dist_utils.is_chief_oracle()
+        self._kd_strategy = None if chief else resolve_strategy(strategy)
+        info = None if chief else worker_info(self._kd_strategy)
+        self._kd_group = info is not None and info.num_workers > 1
+        self._kd_group_chief = info is None or info.is_chief
+        self._kd_broadcast_fn = None
+        kwargs["distribution_strategy"] = self._kd_strategy
+        super().__init__(*args, **kwargs)
+        if isinstance(self.oracle, oracle_client.OracleClient):
+            connect, call, beat = self._kd_timeouts
+            client = _oracle.Client(
+                self.oracle._oracle,
+                connect_timeout=connect,
+                call_timeout=call,
+                heartbeat_interval=beat,
+            )
+            client.multi_worker = self.oracle.multi_worker
+            client.should_report = self.oracle.should_report
+            self.oracle = client
+
+    # -- building ----------------------------------------------------------
+
+    def _populate_initial_space(self):
+        with maybe_distribute(self._kd_strategy):
+            super()._populate_initial_space()
+
+    def _try_build(self, hp):
+        from keras_dist.distributed_model import DistributedModel, distribute
+
+        model = super()._try_build(hp)
+        if self._kd_strategy is not None and not isinstance(model, DistributedModel):
+            model = distribute(model, self._kd_strategy)
+        return model
+
+    def _configure_tensorboard_dir(self, callbacks, trial, execution=0):
+        if importlib.util.find_spec("tensorboard") is not None:
+            return super()._configure_tensorboard_dir(callbacks, trial, execution)
+        # keras-tuner imports tensorboard here on every trial; without it,
+        # keep its per-trial log directories and leave out the HParams
+        # summary (which needs the package).
+        for callback in callbacks:
+            if callback.__class__.__name__ == "TensorBoard":
+                callback.log_dir = self._get_tensorboard_dir(
+                    callback.log_dir, trial.trial_id, execution
+                )
+        return None
+
+    # -- the search --------------------------------------------------------
+
+    def search(self, *fit_args, **fit_kwargs):
+        """keras-tuner's `search`; on the chief, serves the oracle."""
+        if dist_utils.is_chief_oracle():
+            if "verbose" in fit_kwargs:
+                self.oracle.verbose = fit_kwargs["verbose"]
+            self.save()
+            _oracle.serve(self.oracle, worker_timeout=self._kd_worker_timeout)
+            return None
+        if not self._kd_group:
+            return super().search(*fit_args, **fit_kwargs)
+        # A multi-worker trial group: one trial at a time, agreed by
+        # collective (keras-tuner's loop would let a member that is not the
+        # group's chief pick up the trial it has just finished).
+        self.on_search_begin()
+        while True:
+            self.pre_create_trial()
+            trial = self._kd_agreed_trial()
+            if trial.status == trial_module.TrialStatus.STOPPED:
+                break
+            if trial.status == trial_module.TrialStatus.IDLE:
+                continue
+            self.on_trial_begin(trial)
+            self._try_run_and_update_trial(trial, *fit_args, **fit_kwargs)
+            self.on_trial_end(trial)
+        self.on_search_end()
+        return None
+
+    def on_trial_begin(self, trial):
+        super().on_trial_begin(trial)
+        if isinstance(self.oracle, _oracle.Client) and self.oracle.should_report:
+            self.oracle.start_heartbeat(trial.trial_id)
+
+    def on_trial_end(self, trial):
+        if isinstance(self.oracle, _oracle.Client):
+            self.oracle.stop_heartbeat()
+        super().on_trial_end(trial)
+
+    def save(self):
+        # Members of a trial group share a tuner id (and a state file): the
+        # group's chief writes it.
+        if self._kd_group_chief:
+            super().save()
+
+    def _kd_agreed_trial(self):
+        if self._kd_group_chief:
+            trial = self.oracle.create_trial(self.tuner_id)
+            code = _encode(trial)
+        else:
+            trial, code = None, np.zeros([_CODE_LENGTH], np.float32)
+        status, trial_id = _decode(self._kd_broadcast(code))
+        if trial is not None:
+            return trial
+        if status == trial_module.TrialStatus.RUNNING:
+            return self.oracle.get_trial(trial_id)
+        return trial_module.Trial(hp_module.HyperParameters(), status=status)
+
+    def _kd_broadcast(self, code):
+        strategy = self._kd_strategy
+        if self._kd_broadcast_fn is None:
+
+            @tf.function
+            def broadcast(value):
+                def replica_fn(v):
+                    return tf.distribute.get_replica_context().all_reduce("SUM", v)
+
+                return strategy.run(replica_fn, args=(value,))
+
+            self._kd_broadcast_fn = broadcast
+        result = self._kd_broadcast_fn(tf.constant(code))
+        return strategy.experimental_local_results(result)[0].numpy()
+
+
+def _encode(trial) -> np.ndarray:
+    code = np.zeros([_CODE_LENGTH], np.float32)
+    code[0] = _STATUSES.index(trial.status) + 1
+    if trial.status == trial_module.TrialStatus.RUNNING:
+        chars = [ord(c) for c in trial.trial_id]
+        if len(chars) > _CODE_LENGTH - 2:
+            raise ValueError(f"trial id too long to broadcast: {trial.trial_id!r}")
+        code[1] = len(chars)
+        code[2 : 2 + len(chars)] = chars
+    return code
+
+
+def _decode(code) -> tuple[str, str | None]:
+    status = _STATUSES[int(round(float(code[0]))) - 1]
+    if status != trial_module.TrialStatus.RUNNING:
+        return status, None
+    length = int(round(float(code[1])))
+    return status, "".join(chr(int(round(float(c)))) for c in code[2 : 2 + length])
+
