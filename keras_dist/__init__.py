@@ -2,7 +2,9 @@
 
 The core: `DistributedModel` (and `distribute` for an existing model),
 `resolve_strategy`, `simulate_replicas` and `describe`; `launch` starts and
-supervises the workers of a multi-worker job (also `keras-dist launch`).
+supervises the workers of a multi-worker job (also `keras-dist launch`),
+`launch_search` those of a distributed keras-tuner search (`keras-dist
+tune`, with `keras_dist.tuner`).
 Names are imported on first use, so the launcher starts without loading
 TensorFlow.
 """
@@ -19,6 +21,7 @@ _EXPORTS = {
     "describe": "keras_dist.strategy",
     "distribute": "keras_dist.distributed_model",
     "launch": "keras_dist.launcher",
+    "launch_search": "keras_dist.search_launcher",
     "resolve_strategy": "keras_dist.strategy",
     "scale_learning_rate": "keras_dist.callbacks.learning_rate_scaler",
     "simulate_replicas": "keras_dist.strategy",
@@ -29,6 +32,7 @@ __all__ = [
     "describe",
     "distribute",
     "launch",
+    "launch_search",
     "resolve_strategy",
     "scale_learning_rate",
     "simulate_replicas",
@@ -36,8 +40,8 @@ __all__ = [
 
 
 def __getattr__(name):
-    if name == "callbacks":
-        return _importlib.import_module("keras_dist.callbacks")
+    if name in ("callbacks", "tuner"):
+        return _importlib.import_module(f"keras_dist.{name}")
     if name in _EXPORTS:
         value = getattr(_importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value

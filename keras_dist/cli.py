@@ -36,6 +36,31 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script", nargs="?", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER,
                      help="arguments for the script")
+    tune = commands.add_parser(
+        "tune",
+        help="run a distributed keras-tuner search on this machine",
+        description=(
+            "Start a keras-tuner search script as a chief (keras-tuner's gRPC "
+            "oracle, on 127.0.0.1 only) and --num-workers tuner workers, and "
+            "supervise them. --workers-per-trial M groups the workers into "
+            "MultiWorkerMirroredStrategy clusters of M, each running one "
+            "trial at a time."
+        ),
+    )
+    tune.add_argument("--num-workers", type=int, required=True,
+                      help="tuner worker processes (besides the chief)")
+    tune.add_argument("--workers-per-trial", type=int, default=1,
+                      help="processes that train each trial together (default 1)")
+    tune.add_argument("--port", type=int, help="the oracle's port (default: a free one)")
+    tune.add_argument("--log-dir", help="write <label>.log files here")
+    tune.add_argument("--grace-period", type=float, default=5.0,
+                      help="seconds processes get to exit after SIGTERM (default 5)")
+    tune.add_argument("--finish-timeout", type=float, default=300.0,
+                      help="seconds the chief gets to finish after the last "
+                      "worker exited (default 300)")
+    tune.add_argument("script", help="the search script")
+    tune.add_argument("script_args", nargs=argparse.REMAINDER,
+                      help="arguments for the script")
     return parser
 
 
@@ -47,6 +72,23 @@ def main(argv: list[str] | None = None) -> int:
         script_args = script_args[1:]
     if args.script == "--" and script_args:
         args.script, script_args = script_args[0], script_args[1:]
+    if args.command == "tune":
+        from keras_dist.search_launcher import launch_search
+
+        try:
+            return launch_search(
+                args.script,
+                script_args,
+                num_workers=args.num_workers,
+                workers_per_trial=args.workers_per_trial,
+                port=args.port,
+                log_dir=args.log_dir,
+                grace_period=args.grace_period,
+                finish_timeout=args.finish_timeout,
+            )
+        except (ValueError, TypeError) as e:
+            print(f"keras-dist tune: error: {e}", file=sys.stderr)
+            return 2
     try:
         if args.print_tf_config:
             for rank, config in enumerate(

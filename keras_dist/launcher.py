@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import signal
 import subprocess
@@ -24,7 +25,7 @@ def _say(message: str) -> None:
 
 @dataclass
 class _Worker:
-    rank: int
+    label: str  # "worker 0": the prefix of its lines; "worker-0.log" its log
     proc: subprocess.Popen
     tail: collections.deque = field(
         default_factory=lambda: collections.deque(maxlen=_TAIL_LINES)
@@ -60,16 +61,62 @@ def _exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+def _signal(workers, signum: int) -> None:
+    for worker in workers:
+        if worker.proc.poll() is None:
+            try:
+                os.killpg(worker.proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def stop_workers(workers, grace_period: float, signum: int = signal.SIGTERM) -> None:
+    """Sends `signum` to `workers`, waits the grace period, kills the rest."""
+    _signal(workers, signum)
+    deadline = time.monotonic() + grace_period
+    while time.monotonic() < deadline and any(w.proc.poll() is None for w in workers):
+        time.sleep(0.05)
+    _signal(workers, signal.SIGKILL)
+    for worker in workers:
+        worker.proc.wait()
+        worker.reader.join(timeout=5)
+
+
+@contextlib.contextmanager
+def forwarded_signals():
+    """Collects SIGINT/SIGTERM (in the main thread) into the list it yields."""
+    interrupt: list[int] = []
+    previous = {}
+
+    def on_signal(signum, frame):
+        interrupt.append(signum)
+
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, on_signal)
+    try:
+        yield interrupt
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 class _Group:
     """One generation of worker processes, supervised together."""
 
-    def __init__(self, script, script_args, configs, log_dir, grace_period):
+    def __init__(self, script, script_args, processes, log_dir, grace_period):
+        """`processes`: (label, environment variables to set) per process."""
         self.grace_period = grace_period
         self.workers: list[_Worker] = []
         self.lock = threading.Lock()
         self.log_dir = log_dir
-        for rank, config in configs:
-            env = dict(os.environ, TF_CONFIG=config, PYTHONUNBUFFERED="1")
+        for label, variables in processes:
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            for key, value in variables.items():
+                if value is None:
+                    env.pop(key, None)
+                else:
+                    env[key] = value
             proc = subprocess.Popen(
                 [sys.executable, "-u", script, *script_args],
                 env=env,
@@ -80,7 +127,7 @@ class _Group:
                 errors="replace",
                 start_new_session=True,  # own process group: we stop it whole
             )
-            worker = _Worker(rank, proc)
+            worker = _Worker(label, proc)
             worker.reader = threading.Thread(
                 target=self._pump, args=(worker,), daemon=True
             )
@@ -91,7 +138,7 @@ class _Group:
         log = None
         if self.log_dir:
             log = open(
-                os.path.join(self.log_dir, f"worker-{worker.rank}.log"),
+                os.path.join(self.log_dir, f"{worker.label.replace(' ', '-')}.log"),
                 "a",
                 encoding="utf-8",
             )
@@ -103,32 +150,18 @@ class _Group:
                     log.flush()
                 else:
                     with self.lock:
-                        sys.stdout.write(f"[worker {worker.rank}] {line}")
+                        sys.stdout.write(f"[{worker.label}] {line}")
                         sys.stdout.flush()
         finally:
             if log is not None:
                 log.close()
 
     def signal_all(self, signum: int) -> None:
-        for worker in self.workers:
-            if worker.proc.poll() is None:
-                try:
-                    os.killpg(worker.proc.pid, signum)
-                except ProcessLookupError:
-                    pass
+        _signal(self.workers, signum)
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
         """Sends `signum`, waits the grace period, then kills what is left."""
-        self.signal_all(signum)
-        deadline = time.monotonic() + self.grace_period
-        while time.monotonic() < deadline and any(
-            w.proc.poll() is None for w in self.workers
-        ):
-            time.sleep(0.05)
-        self.signal_all(signal.SIGKILL)
-        for worker in self.workers:
-            worker.proc.wait()
-            worker.reader.join(timeout=5)
+        stop_workers(self.workers, self.grace_period, signum)
 
     def wait(self, interrupt: list[int]) -> _Outcome:
         while True:
@@ -144,14 +177,11 @@ class _Group:
             for worker, code in zip(self.workers, codes):
                 if code not in (None, 0):
                     worker.reader.join(timeout=2)
-                    reason = f"worker {worker.rank} {_describe_exit(code)}"
+                    reason = f"{worker.label} {_describe_exit(code)}"
                     _say(f"{reason}; stopping the other workers")
                     self.stop()
                     tail = "".join(worker.tail)
-                    _say(
-                        f"last lines of worker {worker.rank}'s output:\n"
-                        f"{tail.rstrip()}"
-                    )
+                    _say(f"last lines of {worker.label}'s output:\n{tail.rstrip()}")
                     return _Outcome(
                         _exit_status(code),
                         reason,
@@ -223,20 +253,15 @@ def launch(
     configs_for = _plan(script, num_workers, hosts, rank, max_restarts, log_dir, grace_period)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
-    interrupt: list[int] = []
-    previous = {}
-
-    def on_signal(signum, frame):
-        interrupt.append(signum)
-
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            previous[signum] = signal.signal(signum, on_signal)
-    try:
+    with forwarded_signals() as interrupt:
         restarts = 0
         port_retries = 0
         while True:
-            group = _Group(script, list(script_args), configs_for(), log_dir, grace_period)
+            processes = [
+                (f"worker {rank}", {"TF_CONFIG": config})
+                for rank, config in configs_for()
+            ]
+            group = _Group(script, list(script_args), processes, log_dir, grace_period)
             outcome = group.wait(interrupt)
             if (
                 outcome.port_conflict
@@ -266,9 +291,6 @@ def launch(
                 f"restarting the worker group ({restarts}/{max_restarts}) "
                 f"because {outcome.reason}"
             )
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def _plan(script, num_workers, hosts, rank, max_restarts, log_dir, grace_period):

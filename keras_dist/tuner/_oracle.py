@@ -70,6 +70,12 @@ class _Servicer(OracleServicer):
 
     def CreateTrial(self, request, context):
         self._seen(tuner_id=request.tuner_id)
+        if _should_wait(self.oracle, request.tuner_id):
+            trial = trial_module.Trial(
+                self.oracle.hyperparameters.copy(),
+                status=trial_module.TrialStatus.IDLE,
+            )
+            return protos.get_service().CreateTrialResponse(trial=trial.to_proto())
         return super().CreateTrial(request, context)
 
     def UpdateTrial(self, request, context):
@@ -84,6 +90,24 @@ class _Servicer(OracleServicer):
     def GetTrial(self, request, context):
         self._seen(trial_id=request.trial_id)
         return super().GetTrial(request, context)
+
+
+@synchronized
+def _should_wait(oracle, tuner_id: str) -> bool:
+    """True when `tuner_id` must wait instead of being told to stop.
+
+    keras-tuner stops a tuner as soon as `max_trials` trials exist, even
+    while other tuners still run trials that may fail and be queued for a
+    retry: with nobody left to run it, the retry would be lost. Tuners wait
+    (an IDLE trial) until no running trial can come back.
+    """
+    if tuner_id in oracle.ongoing_trials or oracle._retry_queue:
+        return False
+    if not oracle.max_trials or len(oracle.trials) < oracle.max_trials:
+        return False
+    if oracle.max_retries_per_trial <= 0:
+        return False
+    return any(other != tuner_id for other in oracle.ongoing_trials)
 
 
 @synchronized
@@ -236,6 +260,12 @@ class Client(oracle_client.OracleClient):
         )
         self._heartbeat_interval = heartbeat_interval
         self._beat: tuple[threading.Thread, threading.Event] | None = None
+
+    def create_trial(self, tuner_id):
+        trial = super().create_trial(tuner_id)
+        if trial.status == trial_module.TrialStatus.IDLE:
+            time.sleep(0.25)  # asked to wait: do not spin on the chief
+        return trial
 
     def start_heartbeat(self, trial_id: str) -> None:
         self.stop_heartbeat()

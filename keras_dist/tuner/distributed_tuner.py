@@ -144,6 +144,10 @@ class DistributedTuner:
         self._kd_group_chief = info is None or info.is_chief
         self._kd_broadcast_fn = None
         kwargs["distribution_strategy"] = self._kd_strategy
+        if dist_utils.has_chief_oracle() and not chief:
+            # The chief owns the project directory: `overwrite=True` on a
+            # worker would delete the chief's oracle state and trials.
+            kwargs["overwrite"] = False
         super().__init__(*args, **kwargs)
         if isinstance(self.oracle, oracle_client.OracleClient):
             connect, call, beat = self._kd_timeouts
@@ -249,7 +253,11 @@ class DistributedTuner:
             @tf.function
             def broadcast(value):
                 def replica_fn(v):
-                    return tf.distribute.get_replica_context().all_reduce("SUM", v)
+                    # The identity puts the value on the replica's device
+                    # (MultiWorkerMirroredStrategy finds no destination for
+                    # a host tensor passed in).
+                    context = tf.distribute.get_replica_context()
+                    return context.all_reduce("SUM", tf.identity(v))
 
                 return strategy.run(replica_fn, args=(value,))
 

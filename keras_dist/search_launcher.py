@@ -1,0 +1,236 @@
+"""`launch_search`: start and supervise a distributed keras-tuner search."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+from keras_dist import _cluster_spec
+from keras_dist.launcher import (
+    _Group,
+    _describe_exit,
+    _exit_status,
+    _say,
+    forwarded_signals,
+    stop_workers,
+)
+
+
+def launch_search(
+    script: str,
+    script_args: Sequence[str] = (),
+    *,
+    num_workers: int,
+    workers_per_trial: int = 1,
+    port: int | None = None,
+    log_dir: str | None = None,
+    grace_period: float = 5.0,
+    finish_timeout: float = 300.0,
+) -> int:
+    """Runs `script` as the chief and tuner workers of a search; supervises them.
+
+    Starts, on this machine, the chief (`KERASTUNER_TUNER_ID=chief`, which
+    serves keras-tuner's gRPC oracle on 127.0.0.1 only: the service has no
+    authentication) and `num_workers` tuner workers with
+    `KERASTUNER_ORACLE_IP`/`KERASTUNER_ORACLE_PORT` pointing at it. With
+    `workers_per_trial=M > 1`, the workers form groups of M that share a
+    tuner id and a `TF_CONFIG` (M workers on loopback ports): each group is
+    one `MultiWorkerMirroredStrategy` running one trial at a time. The script
+    builds a `keras_dist.tuner` tuner and calls `search`.
+
+    Output lines are prefixed `[chief]`, `[tuner0]`, `[tuner0 worker 1]`
+    (or go to `log_dir/<label>.log`). A tuner worker that dies is reported
+    (how, and its last lines) and the search goes on with the others: the
+    chief ends its trial once it has been silent for the tuner's
+    `worker_timeout` (failed, or retried per `max_retries_per_trial`); the
+    other members of its trial group, stuck in a collective, are stopped.
+    If every worker has died, or the chief has not finished
+    `finish_timeout` seconds after the last worker exited, the chief is
+    stopped. SIGINT/SIGTERM are forwarded to every process.
+
+    Args:
+        script: Path of the search script every process runs.
+        script_args: Arguments passed to the script.
+        num_workers: Positive integer: tuner worker processes (not counting
+            the chief).
+        workers_per_trial: Positive integer dividing `num_workers`, default
+            1: processes that run each trial together.
+        port: The oracle's port on 127.0.0.1 (default: a free one).
+        log_dir: Directory for per-process log files (default: prefixed
+            lines on standard output).
+        grace_period: Positive number of seconds, default 5, that processes
+            get to exit after SIGTERM before they are killed.
+        finish_timeout: Positive number of seconds, default 300, that the
+            chief gets to finish after the last tuner worker exited.
+
+    Returns:
+        The chief's exit status: 0 when the search finished (even if some
+        workers died: they are reported), else its exit code (128 + signal
+        number for a signal), or 1 if every tuner worker died first.
+
+    Example:
+
+    >>> import keras_dist
+    >>> keras_dist.launch_search("search.py", num_workers=2)  # doctest: +SKIP
+    0
+
+    Raises:
+        ValueError: before anything starts, for a missing script, a bad
+            count, `workers_per_trial` not dividing `num_workers`, a port in
+            use, or bad timeouts.
+    """
+    _check(script, num_workers, workers_per_trial, port, log_dir,
+           grace_period, finish_timeout)
+    if port is None:
+        port = _cluster_spec.loopback_ports(1)[0]
+    oracle = {
+        "KERASTUNER_ORACLE_IP": "127.0.0.1",
+        "KERASTUNER_ORACLE_PORT": str(port),
+    }
+    processes = [("chief", dict(oracle, KERASTUNER_TUNER_ID="chief", TF_CONFIG=None))]
+    groups: dict[str, list[str]] = {}
+    for g in range(num_workers // workers_per_trial):
+        tuner_id = f"tuner{g}"
+        if workers_per_trial == 1:
+            labels = [(tuner_id, None)]
+        else:
+            ports = _cluster_spec.loopback_ports(workers_per_trial)
+            cluster = [f"127.0.0.1:{p}" for p in ports]
+            labels = [
+                (f"{tuner_id} worker {r}", _cluster_spec.tf_config(cluster, r))
+                for r in range(workers_per_trial)
+            ]
+        groups[tuner_id] = [label for label, _ in labels]
+        for label, config in labels:
+            processes.append(
+                (label, dict(oracle, KERASTUNER_TUNER_ID=tuner_id, TF_CONFIG=config))
+            )
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+    _say(
+        f"search: chief (oracle on 127.0.0.1:{port}) and {num_workers} tuner "
+        f"worker(s)"
+        + (f" in {len(groups)} groups of {workers_per_trial}" if workers_per_trial > 1 else "")
+    )
+    with forwarded_signals() as interrupt:
+        group = _Group(script, list(script_args), processes, log_dir, grace_period)
+        return _supervise(group, groups, interrupt, grace_period, finish_timeout)
+
+
+def _supervise(group, groups, interrupt, grace_period, finish_timeout) -> int:
+    chief, workers = group.workers[0], group.workers[1:]
+    by_label = {w.label: w for w in workers}
+    group_of = {label: t for t, labels in groups.items() for label in labels}
+    reported: set[str] = set()
+    deaths: list[str] = []
+    all_exited_at = None
+    while True:
+        if interrupt:
+            signum = interrupt[0]
+            _say(f"received signal {signum}: forwarding it to every process")
+            group.stop(signum)
+            return 128 + signum
+        code = chief.proc.poll()
+        if code is not None:
+            chief.reader.join(timeout=5)
+            if code != 0:
+                _say(f"the chief {_describe_exit(code)}; stopping the tuner workers")
+                group.stop()
+                _say(f"last lines of the chief's output:\n{''.join(chief.tail).rstrip()}")
+                return _exit_status(code)
+            # The search is over: workers were told to stop; give them the
+            # grace period to exit.
+            stop_after = time.monotonic() + grace_period
+            while time.monotonic() < stop_after and any(
+                w.proc.poll() is None for w in workers
+            ):
+                time.sleep(0.05)
+            group.stop()
+            _say(
+                "search finished"
+                + (f"; {len(deaths)} tuner worker(s) died: {'; '.join(deaths)}" if deaths else "")
+            )
+            return 0
+        for worker in workers:
+            wcode = worker.proc.poll()
+            if wcode is None or wcode == 0 or worker.label in reported:
+                continue
+            reported.add(worker.label)
+            worker.reader.join(timeout=2)
+            tuner_id = group_of[worker.label]
+            deaths.append(f"{worker.label} {_describe_exit(wcode)}")
+            _say(
+                f"tuner worker {worker.label} {_describe_exit(wcode)}; its trial "
+                f"goes back to the oracle once {tuner_id} has been silent for "
+                "the tuner's worker_timeout; the search continues with the "
+                f"other workers. Last lines of its output:\n"
+                f"{''.join(worker.tail).rstrip()}"
+            )
+            peers = [by_label[label] for label in groups[tuner_id]
+                     if label != worker.label and by_label[label].proc.poll() is None]
+            if peers:
+                _say(
+                    f"stopping the rest of trial group {tuner_id} "
+                    f"({', '.join(p.label for p in peers)}): they wait in a "
+                    "collective for the dead worker"
+                )
+                stop_workers(peers, grace_period)
+                reported.update(p.label for p in peers)
+        codes = [w.proc.poll() for w in workers]
+        if all(c is not None for c in codes):
+            if all(c != 0 for c in codes):
+                _say("every tuner worker has died; stopping the chief")
+                group.stop()
+                return 1
+            if all_exited_at is None:
+                all_exited_at = time.monotonic()
+            elif time.monotonic() - all_exited_at > finish_timeout:
+                _say(
+                    f"the chief has not finished {finish_timeout:g}s after the "
+                    "last tuner worker exited; stopping it"
+                )
+                group.stop()
+                return 1
+        time.sleep(0.05)
+
+
+def _check(script, num_workers, workers_per_trial, port, log_dir,
+           grace_period, finish_timeout) -> None:
+    if not isinstance(script, (str, os.PathLike)) or not os.path.isfile(script):
+        raise ValueError(
+            "Invalid value for argument `script`: no such file. Received: "
+            f"script={script!r}. Pass the path of the search script."
+        )
+    for name, value in (("num_workers", num_workers),
+                        ("workers_per_trial", workers_per_trial)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(
+                f"Invalid value for argument `{name}`. Expected a positive "
+                f"integer. Received: {name}={value!r}."
+            )
+    if num_workers % workers_per_trial:
+        raise ValueError(
+            "Invalid value for argument `workers_per_trial`: it must divide "
+            f"`num_workers` (whole trial groups). Received: num_workers="
+            f"{num_workers}, workers_per_trial={workers_per_trial}."
+        )
+    for name, value in (("grace_period", grace_period),
+                        ("finish_timeout", finish_timeout)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ValueError(
+                f"Invalid value for argument `{name}`. Expected a positive "
+                f"number of seconds. Received: {name}={value!r}."
+            )
+    if port is not None:
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise ValueError(
+                "Invalid value for argument `port`. Expected an integer in "
+                f"1..65535. Received: port={port!r}."
+            )
+        _cluster_spec.check_port_free(f"127.0.0.1:{port}")
+    if log_dir is not None and os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        raise ValueError(
+            "Invalid value for argument `log_dir`: it exists and is not a "
+            f"directory. Received: log_dir={log_dir!r}."
+        )

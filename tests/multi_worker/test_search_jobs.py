@@ -1,0 +1,137 @@
+"""Tier 2: distributed keras-tuner searches through `keras-dist tune`."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.multi_worker
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "search_main.py")
+
+
+def tune(out, *options, args=(), timeout=300):
+    """Runs `keras-dist tune OPTIONS search_main.py OUT ARGS`; returns it."""
+    return subprocess.run(
+        [sys.executable, "-m", "keras_dist.cli", "tune", *options, SCRIPT,
+         str(out), *args],
+        capture_output=True, text=True, timeout=timeout, env=_env(),
+    )
+
+
+def _env():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    env.pop("TF_CONFIG", None)
+    return env
+
+
+def runs(out):
+    """{process label: [trial ids it started, in order]}."""
+    found = {}
+    for path in sorted(glob.glob(str(out / "runs-*.txt"))):
+        label = os.path.basename(path)[len("runs-"):-len(".txt")]
+        with open(path) as f:
+            found[label] = f.read().split()
+    return found
+
+
+def summary(out, n=0):
+    with open(out / f"summary-{n}.json") as f:
+        return json.load(f)
+
+
+def explain(job):
+    return f"exit {job.returncode}\n--- stdout\n{job.stdout[-6000:]}\n--- stderr\n{job.stderr[-3000:]}"
+
+
+def test_two_tuner_workers_run_every_trial_once(tmp_path):
+    job = tune(tmp_path, "--num-workers", "2", args=["trials=6"])
+    assert job.returncode == 0, explain(job)
+    done = summary(tmp_path)
+    assert done["trials"] == {str(i): "COMPLETED" for i in range(6)}
+    started = runs(tmp_path)
+    assert set(started) == {"tuner0-0", "tuner1-0"}
+    assert sorted(started["tuner0-0"] + started["tuner1-0"]) == [str(i) for i in range(6)]
+    # The best model was reloaded from the chief's directory and trained.
+    assert done["best_loss"] < 5.0
+    assert "search finished; oracle stopped" in job.stdout
+
+
+def test_a_killed_worker_does_not_stall_the_search(tmp_path):
+    # tuner1 kills itself (SIGKILL) when it starts its second trial; with
+    # max_retries_per_trial=1 that trial is run again by tuner0.
+    job = tune(tmp_path, "--num-workers", "2",
+               args=["trials=6", "die=tuner1", "die_at=2", "retries=1", "sleep=0.5"])
+    assert job.returncode == 0, explain(job)
+    assert "tuner worker tuner1 was killed by SIGKILL" in job.stderr, explain(job)
+    assert "1 tuner worker(s) died" in job.stderr
+    assert "'tuner1' has been silent" in job.stdout, explain(job)
+    done = summary(tmp_path)
+    assert done["trials"] == {str(i): "COMPLETED" for i in range(6)}
+    started = runs(tmp_path)
+    lost = started["tuner1-0"][-1]
+    assert started["tuner0-0"].count(lost) == 1
+    assert sorted(started["tuner0-0"] + started["tuner1-0"]) == sorted(
+        [str(i) for i in range(6)] + [lost])
+
+
+def test_without_retries_the_dead_workers_trial_is_failed(tmp_path):
+    job = tune(tmp_path, "--num-workers", "2",
+               args=["trials=4", "die=tuner1", "die_at=1", "sleep=0.5"])
+    assert job.returncode == 0, explain(job)
+    statuses = summary(tmp_path)["trials"]
+    lost = runs(tmp_path)["tuner1-0"][0]
+    assert statuses.pop(lost) == "FAILED"
+    assert set(statuses.values()) == {"COMPLETED"}
+
+
+def test_a_trial_group_of_two_workers_runs_each_trial_together(tmp_path):
+    job = tune(tmp_path, "--num-workers", "2", "--workers-per-trial", "2",
+               args=["trials=3"])
+    assert job.returncode == 0, explain(job)
+    assert summary(tmp_path)["trials"] == {str(i): "COMPLETED" for i in range(3)}
+    started = runs(tmp_path)
+    assert started == {"tuner0-0": ["0", "1", "2"], "tuner0-1": ["0", "1", "2"]}
+
+
+def test_a_restarted_chief_resumes_the_search(tmp_path):
+    trials_dir = tmp_path / "search"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "keras_dist.cli", "tune", "--num-workers", "2",
+         SCRIPT, str(tmp_path), "trials=6", "sleep=1.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+    )
+    deadline = time.monotonic() + 240
+    completed = []
+    while time.monotonic() < deadline and len(completed) < 2:
+        completed = []
+        for path in glob.glob(str(trials_dir / "trial_*" / "trial.json")):
+            try:
+                with open(path) as f:
+                    trial = json.load(f)
+            except (OSError, ValueError):
+                continue  # being written
+            if trial["status"] == "COMPLETED":
+                completed.append(trial["trial_id"])
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # stops the chief and the workers
+    first_output, _ = proc.communicate(timeout=60)
+    assert len(completed) >= 2, first_output[-5000:]
+    assert not (tmp_path / "summary-0.json").exists()
+    first = runs(tmp_path)
+    for path in glob.glob(str(tmp_path / "runs-*.txt")):
+        os.remove(path)
+
+    job = tune(tmp_path, "--num-workers", "2", args=["trials=6", "overwrite=0"])
+    assert job.returncode == 0, explain(job)
+    assert summary(tmp_path)["trials"] == {str(i): "COMPLETED" for i in range(6)}
+    second = [t for ids in runs(tmp_path).values() for t in ids]
+    # Trials completed before the restart are not run again; every other
+    # trial (including those interrupted) runs once.
+    assert not set(completed) & set(second)
+    assert sorted(second + completed) == [str(i) for i in range(6)], (first, second)
