@@ -15,6 +15,7 @@ def test_top_level_names():
         "describe",
         "distribute",
         "launch",
+        "launch_search",
         "resolve_strategy",
         "scale_learning_rate",
         "simulate_replicas",
@@ -35,6 +36,12 @@ def test_signatures():
         "num_workers: 'int | None' = None, hosts: 'str | None' = None, "
         "rank: 'int | None' = None, max_restarts: 'int' = 0, "
         "log_dir: 'str | None' = None, grace_period: 'float' = 5.0) -> 'int'"
+    )
+    assert signature(keras_dist.launch_search) == (
+        "(script: 'str', script_args: 'Sequence[str]' = (), *, "
+        "num_workers: 'int', workers_per_trial: 'int' = 1, "
+        "port: 'int | None' = None, log_dir: 'str | None' = None, "
+        "grace_period: 'float' = 5.0, finish_timeout: 'float' = 300.0) -> 'int'"
     )
     assert signature(keras_dist.DistributedModel.__init__) == (
         "(self, *args, strategy: 'StrategySpec' = 'auto', "
@@ -94,3 +101,27 @@ def test_callbacks_names_and_parity():
     assert [(p.name, p.default) for p in positional] == [
         (p.name, p.default) for p in theirs.parameters.values()
     ]
+
+
+def test_tuner_names_and_parity():
+    import keras_tuner
+
+    from keras_dist import tuner
+
+    assert tuner.__all__ == sorted(tuner.__all__) == [
+        "BayesianOptimization",
+        "DistributedTuner",
+        "GridSearch",
+        "Hyperband",
+        "RandomSearch",
+    ]
+    assert signature(tuner.DistributedTuner.__init__) == (
+        "(self, *args, strategy: 'StrategySpec' = 'auto', "
+        "connect_timeout: 'float' = 120.0, call_timeout: 'float' = 600.0, "
+        "heartbeat_interval: 'float' = 5.0, worker_timeout: 'float' = 60.0, "
+        "**kwargs)"
+    )
+    for name in ("BayesianOptimization", "GridSearch", "Hyperband", "RandomSearch"):
+        ours = getattr(tuner, name)
+        assert issubclass(ours, getattr(keras_tuner, name))
+        assert ours.__mro__[1] is tuner.DistributedTuner

@@ -42,3 +42,25 @@ def test_quickstart_on_two_launched_workers():
                             done.stdout)
     assert len(accuracies) == 2 and accuracies[0] == accuracies[1]
     assert float(accuracies[0]) > 0.5
+
+
+def test_tuner_search_alone_on_two_replicas(tmp_path):
+    out = run_example("tuner_search.py", "--smoke", "--directory", str(tmp_path))
+    assert "2 trials completed" in out
+    accuracy = float(re.search(r"test accuracy ([0-9.]+)", out).group(1))
+    assert accuracy > 0.3  # chance is 0.1; one epoch of the best of 2 trials
+
+
+def test_tuner_search_with_two_tuner_workers(tmp_path):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(
+        [sys.executable, "-m", "keras_dist.cli", "tune", "--num-workers", "2",
+         os.path.join(EXAMPLES, "tuner_search.py"), "--smoke",
+         "--directory", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[chief] 2 trials completed" in done.stdout
+    accuracy = float(re.search(r"\[chief\] best model: test accuracy ([0-9.]+)",
+                               done.stdout).group(1))
+    assert accuracy > 0.3

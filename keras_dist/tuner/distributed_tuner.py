@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import numbers
+import os
 
 import numpy as np
 import tensorflow as tf
+from keras_tuner.src import utils as kt_utils
 from keras_tuner.src.distribute import oracle_client
 from keras_tuner.src.distribute import utils as dist_utils
 from keras_tuner.src.engine import hyperparameters as hp_module
@@ -146,7 +148,16 @@ class DistributedTuner:
         kwargs["distribution_strategy"] = self._kd_strategy
         if dist_utils.has_chief_oracle() and not chief:
             # The chief owns the project directory: `overwrite=True` on a
-            # worker would delete the chief's oracle state and trials.
+            # worker would delete the chief's oracle state and trials. A
+            # worker only starts its own state afresh.
+            if kwargs.get("overwrite", False):
+                own = os.path.join(
+                    str(kwargs.get("directory") or "."),
+                    str(kwargs.get("project_name") or "untitled_project"),
+                    f"{os.environ['KERASTUNER_TUNER_ID']}.json",
+                )
+                if os.path.exists(own):
+                    os.remove(own)
             kwargs["overwrite"] = False
         super().__init__(*args, **kwargs)
         if isinstance(self.oracle, oracle_client.OracleClient):
@@ -173,6 +184,20 @@ class DistributedTuner:
         model = super()._try_build(hp)
         if self._kd_strategy is not None and not isinstance(model, DistributedModel):
             model = distribute(model, self._kd_strategy)
+        return model
+
+    def load_model(self, trial):
+        # keras-tuner's, with the optimizer built first: the checkpoint holds
+        # its slots, which Keras otherwise skips with a warning.
+        model = self._try_build(trial.hyperparameters)
+        with maybe_distribute(self._kd_strategy):
+            if not model.built:
+                model.build_from_config(
+                    kt_utils.load_json(self._get_build_config_fname(trial.trial_id))
+                )
+            if model.optimizer is not None and not model.optimizer.built:
+                model.optimizer.build(model.trainable_variables)
+            model.load_weights(self._get_checkpoint_fname(trial.trial_id))
         return model
 
     def _configure_tensorboard_dir(self, callbacks, trial, execution=0):

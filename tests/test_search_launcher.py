@@ -1,0 +1,50 @@
+"""`launch_search` / `keras-dist tune`: argument checks before anything starts."""
+
+import socket
+
+import pytest
+
+import keras_dist
+from keras_dist import cli
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "search.py"
+    path.write_text("print('never run')\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_workers": 0}, "num_workers=0"),
+        ({"num_workers": 2, "workers_per_trial": 0}, "workers_per_trial=0"),
+        ({"num_workers": 3, "workers_per_trial": 2}, "must divide"),
+        ({"num_workers": 2, "grace_period": 0}, "grace_period=0"),
+        ({"num_workers": 2, "finish_timeout": -1}, "finish_timeout=-1"),
+        ({"num_workers": 2, "port": 70000}, "port=70000"),
+    ],
+)
+def test_bad_arguments(script, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        keras_dist.launch_search(script, **kwargs)
+
+
+def test_missing_script(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        keras_dist.launch_search(str(tmp_path / "nope.py"), num_workers=1)
+
+
+def test_port_in_use(script):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ValueError, match=f"Port {port}"):
+            keras_dist.launch_search(script, num_workers=1, port=port)
+
+
+def test_cli_reports_errors_with_exit_code_2(script, capsys):
+    assert cli.main(["tune", "--num-workers", "3", "--workers-per-trial", "2", script]) == 2
+    assert "keras-dist tune: error:" in capsys.readouterr().err
