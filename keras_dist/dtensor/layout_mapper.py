@@ -1,0 +1,331 @@
+"""`LayoutMapper`: a Megatron-style `keras.distribution.LayoutMap` for a model."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+import keras
+import numpy as np
+
+Axes = tuple  # of mesh axis names or None, one per variable dimension
+
+
+class LayoutMapper:
+    """Builds a `keras.distribution.LayoutMap` for a model, by layer type.
+
+    Tensor (intra-layer) model parallelism in the Megatron-LM pattern, over
+    the mesh axis `model_axis`:
+
+    - `Dense` / `EinsumDense`, taken in order: the first of a pair is
+      column-parallel (kernel `(None, "model")`, bias `("model",)`), the
+      next row-parallel (kernel `("model", None)`, bias replicated), so the
+      activation between them stays sharded and one all-reduce follows the
+      pair. A layer whose output dimension does not divide by the axis
+      (e.g. `Dense(1)`) stays replicated and does not start a pair.
+    - `MultiHeadAttention`: heads are sharded (query/key/value kernels
+      `(None, "model", None)`, their biases `("model", None)`, the output
+      kernel `("model", None, None)`).
+    - `Embedding`: the vocabulary (`embedding="vocabulary"`, default) or the
+      embedding dimension (`embedding="dim"`).
+    - Convolutions (`Conv1D`/`Conv2D`/`Conv3D`): output channels (kernel `(..., "model")`, bias
+      `("model",)`).
+    - Normalization layers, variables with fewer than `min_elements`
+      elements and everything else: replicated (not in the map).
+
+    `rules` override any of it: `{regex: axes}` where the regex is matched
+    with `re.fullmatch` against `variable.path` (Keras' `LayoutMap`
+    semantics; a variable matching two rules is an error) and `axes` is a
+    tuple of mesh axis names or `None` per dimension (`None` as the whole
+    value: replicated). Every layout is checked against the variable's
+    shape and the mesh.
+
+    Args:
+        mesh: A `keras.distribution.DeviceMesh` (see
+            `keras_dist.dtensor.make_mesh`).
+        model_axis: Name of the mesh axis layers are sharded over (default
+            `"model"`).
+        embedding: `"vocabulary"` (default) or `"dim"`: which dimension of
+            an `Embedding` is sharded.
+        min_elements: Non-negative integer, default 1024: variables with
+            fewer elements stay replicated (their communication would cost
+            more than their memory).
+        rules: Optional mapping of regex to axes, applied over the automatic
+            layouts.
+
+    Example:
+
+    >>> import keras, keras_dist.dtensor
+    >>> mesh = keras_dist.dtensor.make_mesh({"model": 1}, ["cpu:0"])
+    >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+    ...                           keras.layers.Dense(8)])
+    >>> layout_map = keras_dist.dtensor.LayoutMapper(mesh, min_elements=0).layout_map(model)
+    >>> layout_map[model.layers[0].kernel.path].axes
+    (None, 'model')
+
+    Raises:
+        TypeError: `mesh` is not a `keras.distribution.DeviceMesh`, or
+            `rules` is not a mapping.
+        ValueError: unknown `model_axis` or `embedding`, bad
+            `min_elements`, an invalid regex or axes in `rules`.
+    """
+
+    def __init__(
+        self,
+        mesh: keras.distribution.DeviceMesh,
+        *,
+        model_axis: str = "model",
+        embedding: Literal["vocabulary", "dim"] = "vocabulary",
+        min_elements: int = 1024,
+        rules: Mapping[str, Axes | None] | None = None,
+    ):
+        if not isinstance(mesh, keras.distribution.DeviceMesh):
+            raise TypeError(
+                "Invalid type for argument `mesh`. Expected a "
+                "keras.distribution.DeviceMesh (keras_dist.dtensor.make_mesh"
+                f"). Received: mesh={mesh!r} of type {type(mesh).__name__}"
+            )
+        if model_axis not in mesh.axis_names:
+            raise ValueError(
+                "Invalid value for argument `model_axis`: not an axis of the "
+                f"mesh {list(mesh.axis_names)}. Received: model_axis={model_axis!r}"
+            )
+        if embedding not in ("vocabulary", "dim"):
+            raise ValueError(
+                "Invalid value for argument `embedding`. Expected "
+                f"'vocabulary' or 'dim'. Received: embedding={embedding!r}"
+            )
+        if (
+            not isinstance(min_elements, numbers.Integral)
+            or isinstance(min_elements, bool)
+            or min_elements < 0
+        ):
+            raise ValueError(
+                "Invalid value for argument `min_elements`. Expected a "
+                f"non-negative integer. Received: min_elements={min_elements!r}"
+            )
+        if rules is not None and not isinstance(rules, Mapping):
+            raise TypeError(
+                "Invalid type for argument `rules`. Expected a mapping of "
+                f"regex to axes. Received: rules={rules!r}"
+            )
+        self.mesh = mesh
+        self.model_axis = model_axis
+        self.embedding = embedding
+        self.min_elements = int(min_elements)
+        self.rules: dict[str, Axes | None] = {}
+        for pattern, axes in (rules or {}).items():
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(
+                    f"Invalid regex {pattern!r} in argument `rules`: {e}"
+                ) from None
+            if axes is not None:
+                axes = tuple(axes)
+                for axis in axes:
+                    if axis is not None and axis not in mesh.axis_names:
+                        raise ValueError(
+                            f"Invalid axes {axes!r} for rule {pattern!r} in "
+                            f"argument `rules`: {axis!r} is not an axis of "
+                            f"the mesh {list(mesh.axis_names)}. Use mesh axis "
+                            "names or None."
+                        )
+            self.rules[pattern] = axes
+
+    # -- the map -----------------------------------------------------------
+
+    def layouts(self, model: keras.Model) -> dict[str, Axes]:
+        """`{variable.path: axes}` for every sharded variable of `model`."""
+        variables = _variables(model)
+        layouts = {
+            path: axes
+            for path, axes in self._automatic(model).items()
+            if math.prod(variables[path].shape) >= self.min_elements
+        }
+        for path, variable in variables.items():
+            matches = [p for p in self.rules if re.fullmatch(p, path)]
+            if len(matches) > 1:
+                raise ValueError(
+                    f"Variable {path!r} matches more than one rule in "
+                    f"`rules`: {matches}. Make the patterns exclusive "
+                    "(Keras' LayoutMap allows at most one match)."
+                )
+            if matches:
+                axes = self.rules[matches[0]]
+                if axes is None or all(a is None for a in axes):
+                    layouts.pop(path, None)
+                else:
+                    layouts[path] = axes
+        for path, axes in layouts.items():
+            self._validate(path, tuple(variables[path].shape), axes)
+        return layouts
+
+    def layout_map(self, model: keras.Model) -> keras.distribution.LayoutMap:
+        """A `keras.distribution.LayoutMap` with one exact key per sharded variable.
+
+        Variables not in the map are replicated.
+        """
+        layout_map = keras.distribution.LayoutMap(self.mesh)
+        for path, axes in self.layouts(model).items():
+            layout_map[re.escape(path)] = keras.distribution.TensorLayout(
+                axes, self.mesh
+            )
+        return layout_map
+
+    def summary(self, model: keras.Model, print_fn: Callable[[str], None] | None = None) -> None:
+        """Prints each variable's layout and bytes per device, and the totals."""
+        print_fn = print_fn or print
+        layouts = self.layouts(model)
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.shape))
+        rows = []
+        replicated_total = sharded_total = 0
+        for path, variable in _variables(model).items():
+            nbytes = math.prod(variable.shape) * np.dtype(variable.dtype).itemsize
+            axes = layouts.get(path)
+            split = math.prod(sizes[a] for a in axes if a is not None) if axes else 1
+            per_device = nbytes // split
+            replicated_total += nbytes
+            sharded_total += per_device
+            layout = "replicated" if axes is None else str(tuple(axes))
+            rows.append((path, str(tuple(variable.shape)), layout, nbytes, per_device))
+        width = max([len(r[0]) for r in rows] + [8])
+        mesh = ", ".join(f"{n}={s}" for n, s in sizes.items())
+        print_fn(f"LayoutMapper over mesh ({mesh}), model axis {self.model_axis!r}")
+        print_fn(
+            f"{'variable':<{width}}  {'shape':<16} {'layout':<28} "
+            f"{'bytes':>12} {'per device':>12}"
+        )
+        for path, shape, layout, nbytes, per_device in rows:
+            print_fn(
+                f"{path:<{width}}  {shape:<16} {layout:<28} {nbytes:>12,} "
+                f"{per_device:>12,}"
+            )
+        ratio = sharded_total / replicated_total if replicated_total else 1.0
+        print_fn(
+            f"total: {replicated_total:,} bytes replicated on every device; "
+            f"{sharded_total:,} bytes per device with this map ({ratio:.1%})"
+        )
+
+    # -- rules by layer type -----------------------------------------------
+
+    def _automatic(self, model) -> dict[str, Axes]:
+        axis = self.model_axis
+        n = dict(zip(self.mesh.axis_names, self.mesh.shape))[axis]
+        layouts: dict[str, Axes] = {}
+        handled: set[int] = set()
+        pending_column = None  # a column-parallel layer waiting for its row
+        for layer in _layers(model):
+            if id(layer) in handled:
+                continue
+            if isinstance(layer, keras.layers.MultiHeadAttention):
+                for sub in _layers(layer):
+                    handled.add(id(sub))
+                self._attention(layer, n, layouts)
+                pending_column = None
+            elif isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+                kernel = getattr(layer, "kernel", None)
+                if kernel is None:
+                    continue
+                shape = tuple(kernel.shape)
+                if pending_column is not None and shape[0] % n == 0:
+                    layouts[kernel.path] = (axis,) + (None,) * (len(shape) - 1)
+                    pending_column = None
+                elif shape[-1] % n == 0:
+                    layouts[kernel.path] = (None,) * (len(shape) - 1) + (axis,)
+                    bias = getattr(layer, "bias", None)
+                    if bias is not None and tuple(bias.shape)[-1:] == shape[-1:]:
+                        layouts[bias.path] = (None,) * (len(bias.shape) - 1) + (axis,)
+                    pending_column = layer
+                else:
+                    pending_column = None
+            elif isinstance(layer, keras.layers.Embedding):
+                table = layer.embeddings
+                dim = 0 if self.embedding == "vocabulary" else 1
+                if tuple(table.shape)[dim] % n == 0:
+                    layouts[table.path] = (axis, None) if dim == 0 else (None, axis)
+            elif _is_conv(layer):
+                kernel = getattr(layer, "kernel", None)
+                if kernel is not None and tuple(kernel.shape)[-1] % n == 0:
+                    layouts[kernel.path] = (None,) * (len(kernel.shape) - 1) + (axis,)
+                    bias = getattr(layer, "bias", None)
+                    if bias is not None:
+                        layouts[bias.path] = (axis,)
+        return layouts
+
+    def _attention(self, layer, n, layouts) -> None:
+        axis = self.model_axis
+        heads = layer.num_heads
+        if heads % n:
+            return  # heads do not split over the axis: replicated
+        for name in ("query", "key", "value"):
+            dense = getattr(layer, f"_{name}_dense", None)
+            if dense is None:
+                continue
+            layouts[dense.kernel.path] = (None, axis, None)
+            if getattr(dense, "bias", None) is not None:
+                layouts[dense.bias.path] = (axis, None)
+        output = getattr(layer, "_output_dense", None)
+        if output is not None:
+            layouts[output.kernel.path] = (axis,) + (None,) * (len(output.kernel.shape) - 1)
+
+    def _validate(self, path: str, shape: tuple, axes: Axes) -> None:
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.shape))
+        if len(axes) != len(shape):
+            raise ValueError(
+                f"Layout {tuple(axes)!r} for variable {path!r} has {len(axes)} "
+                f"entries; the variable has shape {shape} (rank {len(shape)}). "
+                "Give one mesh axis or None per dimension."
+            )
+        used = [a for a in axes if a is not None]
+        if len(used) != len(set(used)):
+            raise ValueError(
+                f"Layout {tuple(axes)!r} for variable {path!r} uses a mesh axis "
+                "twice; each mesh axis can shard at most one dimension."
+            )
+        for dim, (size, axis) in enumerate(zip(shape, axes)):
+            if axis is None:
+                continue
+            if axis not in sizes:
+                raise ValueError(
+                    f"Layout {tuple(axes)!r} for variable {path!r} names "
+                    f"{axis!r}, not an axis of the mesh {list(sizes)}."
+                )
+            if size % sizes[axis]:
+                raise ValueError(
+                    f"Variable {path!r} (shape {shape}): dimension {dim} of "
+                    f"size {size} is not divisible by mesh axis {axis!r} of "
+                    f"size {sizes[axis]}. Shard another dimension, replicate "
+                    "this variable (a rule mapping it to None), or change the "
+                    "layer size or the mesh."
+                )
+
+
+def _layers(model):
+    return [model] if not hasattr(model, "_flatten_layers") else list(
+        model._flatten_layers(include_self=False, recursive=True)
+    )
+
+
+def _variables(model) -> dict:
+    if not model.built or not model.variables:
+        raise ValueError(
+            f"LayoutMapper needs a built model: {model.name!r} has no "
+            "variables yet. Build it first (call it on a batch, or "
+            "model.build(input_shape))."
+        )
+    return {v.path: v for v in model.weights}
+
+
+def _is_conv(layer) -> bool:
+    # Transposed convolutions keep input channels last: not included.
+    return isinstance(
+        layer, (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
+    ) and not isinstance(
+        layer,
+        (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
+         keras.layers.Conv3DTranspose),
+    )

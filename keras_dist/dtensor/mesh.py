@@ -1,0 +1,137 @@
+"""`initialize` and `make_mesh`: devices for tensor model parallelism."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+
+import keras
+import tensorflow as tf
+
+
+def initialize(num_devices: int | None = None, device_type: str = "CPU") -> int:
+    """Initializes DTensor's accelerator system; call it before TensorFlow starts.
+
+    DTensor must set up its devices before TensorFlow initializes them (before
+    the first op, model or strategy). On a CPU, `num_devices` first splits
+    the CPU into that many logical devices (`keras_dist.simulate_replicas`),
+    so a laptop or a CI runner can hold a mesh; on GPUs or TPUs leave it
+    `None`.
+
+    Args:
+        num_devices: Optional positive integer: logical CPU devices to create
+            (CPU only).
+        device_type: `"CPU"` (default), `"GPU"` or `"TPU"`.
+
+    Returns:
+        The number of devices of `device_type` DTensor now sees.
+
+    Example:
+
+    >>> import keras_dist.dtensor
+    >>> keras_dist.dtensor.initialize(4)  # doctest: +SKIP
+    4
+
+    Raises:
+        ValueError: unknown `device_type`, or `num_devices` with a device
+            type other than CPU.
+        RuntimeError: TensorFlow has already initialized its devices.
+    """
+    if device_type not in ("CPU", "GPU", "TPU"):
+        raise ValueError(
+            "Invalid value for argument `device_type`. Expected one of "
+            f"'CPU', 'GPU', 'TPU'. Received: device_type={device_type!r}"
+        )
+    if num_devices is not None:
+        if device_type != "CPU":
+            raise ValueError(
+                "Argument `num_devices` only splits a CPU into logical "
+                f"devices. Received: num_devices={num_devices!r}, device_type="
+                f"{device_type!r}. Leave num_devices=None for GPUs and TPUs."
+            )
+        from keras_dist.strategy import simulate_replicas
+
+        simulate_replicas(num_devices)
+    from tensorflow.experimental import dtensor
+
+    try:
+        dtensor.initialize_accelerator_system(device_type)
+    except (RuntimeError, ValueError) as e:
+        raise RuntimeError(
+            "keras_dist.dtensor.initialize() must run before TensorFlow "
+            "initializes its devices (before the first op, model or "
+            "strategy): call it at the top of the script, right after "
+            f"importing keras_dist. TensorFlow said: {e}"
+        ) from e
+    return len(tf.config.list_logical_devices(device_type))
+
+
+def make_mesh(
+    shape: Mapping[str, int], devices: Sequence[str] | None = None
+) -> keras.distribution.DeviceMesh:
+    """A `keras.distribution.DeviceMesh` with named axes, e.g. `{"batch": 2, "model": 2}`.
+
+    Args:
+        shape: Ordered mapping of axis name to size. Their product must equal
+            the number of devices.
+        devices: Device names (default: every GPU, else every TPU, else
+            every logical CPU, in order).
+
+    Returns:
+        The `DeviceMesh` (Keras' type: the same map works on every backend).
+
+    Example:
+
+    >>> import keras_dist.dtensor
+    >>> mesh = keras_dist.dtensor.make_mesh({"batch": 1, "model": 1}, ["cpu:0"])
+    >>> mesh.axis_names, mesh.shape
+    (['batch', 'model'], (1, 1))
+
+    Raises:
+        TypeError: `shape` is not a mapping.
+        ValueError: an axis name is not a non-empty string, a size is not a
+            positive integer, or the sizes do not multiply to the number of
+            devices.
+    """
+    if not isinstance(shape, Mapping) or not shape:
+        raise TypeError(
+            "Invalid type for argument `shape`. Expected a non-empty mapping "
+            f"of axis name to size, e.g. {{'batch': 2, 'model': 2}}. "
+            f"Received: shape={shape!r}"
+        )
+    for name, size in shape.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(
+                "Invalid axis name in argument `shape`. Expected non-empty "
+                f"strings. Received: {name!r} in shape={dict(shape)!r}"
+            )
+        if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
+            raise ValueError(
+                f"Invalid size for mesh axis {name!r}. Expected a positive "
+                f"integer. Received: shape={dict(shape)!r}"
+            )
+    if devices is None:
+        devices = _default_devices()
+    devices = list(devices)
+    total = 1
+    for size in shape.values():
+        total *= int(size)
+    if total != len(devices):
+        raise ValueError(
+            f"The mesh shape {dict(shape)!r} needs {total} devices; there are "
+            f"{len(devices)}: {devices}. Change the axis sizes, pass "
+            "`devices`, or create more logical CPUs with "
+            "keras_dist.dtensor.initialize(num_devices) before TensorFlow "
+            "starts."
+        )
+    return keras.distribution.DeviceMesh(
+        tuple(int(s) for s in shape.values()), list(shape), devices=devices
+    )
+
+
+def _default_devices() -> list[str]:
+    for kind in ("GPU", "TPU", "CPU"):
+        found = tf.config.list_logical_devices(kind)
+        if found:
+            return [f"{kind.lower()}:{i}" for i in range(len(found))]
+    return []

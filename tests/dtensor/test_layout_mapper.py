@@ -1,0 +1,184 @@
+"""LayoutMapper rules, overrides, validation and summary; make_mesh."""
+
+import keras
+import pytest
+
+from keras_dist.dtensor import LayoutMapper, make_mesh
+
+CPUS = ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+
+
+def mesh(**shape):
+    devices = CPUS[: int(__import__("math").prod(shape.values()))]
+    return make_mesh(shape, devices)
+
+
+def mlp():
+    return keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(32, activation="relu", name="up"),
+        keras.layers.Dense(16, name="down"),
+        keras.layers.Dense(1, name="head"),
+    ], name="mlp")
+
+
+def transformer_block(heads=4, dim=16):
+    inputs = keras.Input((5, dim))
+    h = keras.layers.MultiHeadAttention(heads, 8, name="attn")(inputs, inputs)
+    h = keras.layers.LayerNormalization(name="norm")(h + inputs)
+    h = keras.layers.Dense(64, activation="relu", name="fc1")(h)
+    h = keras.layers.Dense(dim, name="fc2")(h)
+    return keras.Model(inputs, h, name="block")
+
+
+def test_mlp_pairs_column_then_row_and_keeps_an_output_of_one_replicated():
+    layouts = LayoutMapper(mesh(model=2), min_elements=0).layouts(mlp())
+    assert layouts == {
+        "mlp/up/kernel": (None, "model"),
+        "mlp/up/bias": ("model",),
+        "mlp/down/kernel": ("model", None),
+    }
+
+
+def test_four_way_and_two_dimensional_meshes():
+    four = LayoutMapper(mesh(model=4), min_elements=0).layouts(mlp())
+    assert four["mlp/up/kernel"] == (None, "model")
+    grid = LayoutMapper(mesh(batch=2, model=2), min_elements=0).layouts(mlp())
+    assert grid == LayoutMapper(mesh(model=2), min_elements=0).layouts(mlp())
+
+
+def test_attention_shards_heads_and_norms_stay_replicated():
+    layouts = LayoutMapper(mesh(model=2), min_elements=0).layouts(transformer_block())
+    for name in ("query", "key", "value"):
+        assert layouts[f"attn/{name}/kernel"] == (None, "model", None)
+        assert layouts[f"attn/{name}/bias"] == ("model", None)
+    assert layouts["attn/attention_output/kernel"] == ("model", None, None)
+    assert "attn/attention_output/bias" not in layouts
+    assert not any(path.startswith("norm") for path in layouts)
+    assert layouts["fc1/kernel"] == (None, "model")
+    assert layouts["fc2/kernel"] == ("model", None)
+
+
+def test_attention_with_heads_not_divisible_stays_replicated():
+    layouts = LayoutMapper(mesh(model=4), min_elements=0).layouts(
+        transformer_block(heads=2))
+    assert not any("attn" in path for path in layouts)
+
+
+@pytest.mark.parametrize("embedding, axes", [("vocabulary", ("model", None)),
+                                              ("dim", (None, "model"))])
+def test_embedding_shards_vocabulary_or_dimension(embedding, axes):
+    model = keras.Sequential([keras.Input((3,), dtype="int32"),
+                              keras.layers.Embedding(100, 8, name="emb")], name="e")
+    layouts = LayoutMapper(mesh(model=2), embedding=embedding,
+                           min_elements=0).layouts(model)
+    assert layouts == {"e/emb/embeddings": axes}
+
+
+def test_convolutions_shard_output_channels():
+    model = keras.Sequential([keras.Input((8, 8, 3)),
+                              keras.layers.Conv2D(8, 3, name="conv"),
+                              keras.layers.BatchNormalization(name="bn")], name="c")
+    layouts = LayoutMapper(mesh(model=2), min_elements=0).layouts(model)
+    assert layouts == {"c/conv/kernel": (None, None, None, "model"),
+                       "c/conv/bias": ("model",)}
+
+
+def test_small_variables_stay_replicated_by_default():
+    layouts = LayoutMapper(mesh(model=2)).layouts(mlp())  # min_elements=1024
+    assert layouts == {}
+    big = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, name="a"),
+                            keras.layers.Dense(64, name="b")], name="big")
+    assert LayoutMapper(mesh(model=2)).layouts(big) == {
+        "big/a/kernel": (None, "model"), "big/b/kernel": ("model", None)}
+
+
+def test_user_rules_override_and_replicate():
+    mapper = LayoutMapper(mesh(model=2), min_elements=0, rules={
+        r".*/up/kernel": ("model", None),   # override the automatic layout
+        r".*/up/bias": None,                # replicate
+        r".*/head/kernel": (None, None),    # replicate (explicit)
+    })
+    layouts = mapper.layouts(mlp())
+    assert layouts == {"mlp/up/kernel": ("model", None),
+                       "mlp/down/kernel": ("model", None)}
+
+
+def test_a_variable_matching_two_rules_is_an_error():
+    mapper = LayoutMapper(mesh(model=2), rules={r".*kernel": None, r"mlp/up/.*": None})
+    with pytest.raises(ValueError, match="'mlp/up/kernel' matches more than one rule"):
+        mapper.layouts(mlp())
+
+
+def test_layout_map_has_keras_semantics():
+    model = mlp()
+    layout_map = LayoutMapper(mesh(batch=2, model=2), min_elements=0).layout_map(model)
+    assert isinstance(layout_map, keras.distribution.LayoutMap)
+    assert layout_map["mlp/up/kernel"].axes == (None, "model")
+    assert layout_map["mlp/up/kernel"].device_mesh.shape == (2, 2)
+    assert layout_map["mlp/head/kernel"] is None  # replicated
+
+
+def test_non_divisible_dimension_names_variable_dimension_and_axis():
+    mapper = LayoutMapper(mesh(model=4), rules={r"mlp/head/kernel": (None, "model")})
+    with pytest.raises(ValueError) as info:
+        mapper.layouts(mlp())
+    message = str(info.value)
+    assert "'mlp/head/kernel'" in message and "dimension 1 of size 1" in message
+    assert "mesh axis 'model' of size 4" in message
+
+
+@pytest.mark.parametrize("rules, message", [
+    ({r"mlp/up/kernel": ("model",)}, "has 1 entries"),
+    ({r"mlp/up/kernel": ("model", "model")}, "uses a mesh axis twice"),
+])
+def test_bad_layouts_for_a_variable(rules, message):
+    with pytest.raises(ValueError, match=message):
+        LayoutMapper(mesh(model=2), rules=rules).layouts(mlp())
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"model_axis": "tensor"}, ValueError, "model_axis='tensor'"),
+    ({"embedding": "rows"}, ValueError, "embedding='rows'"),
+    ({"min_elements": -1}, ValueError, "min_elements=-1"),
+    ({"rules": [("a", None)]}, TypeError, "rules="),
+    ({"rules": {"(": None}}, ValueError, "Invalid regex"),
+    ({"rules": {"a": ("data", None)}}, ValueError, "'data' is not an axis"),
+])
+def test_bad_arguments(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        LayoutMapper(mesh(model=2), **kwargs)
+
+
+def test_mesh_must_be_a_keras_device_mesh():
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        LayoutMapper({"model": 2})
+
+
+def test_unbuilt_model_is_refused():
+    model = keras.Sequential([keras.layers.Dense(4)])
+    with pytest.raises(ValueError, match="needs a built model"):
+        LayoutMapper(mesh(model=2)).layouts(model)
+
+
+def test_summary_reports_bytes_per_device():
+    lines = []
+    LayoutMapper(mesh(model=2), min_elements=0).summary(mlp(), print_fn=lines.append)
+    text = "\n".join(lines)
+    # up: kernel 8x32 + bias 32, down: kernel 32x16 + bias 16, head: 16 + 1.
+    replicated = 4 * (8 * 32 + 32 + 32 * 16 + 16 + 16 + 1)
+    per_device = 4 * ((8 * 32 + 32 + 32 * 16) // 2 + 16 + 16 + 1)
+    assert f"total: {replicated:,} bytes replicated" in text
+    assert f"{per_device:,} bytes per device with this map" in text
+    assert "mlp/up/kernel" in text and "(None, 'model')" in text
+
+
+def test_make_mesh():
+    grid = make_mesh({"batch": 2, "model": 2})
+    assert grid.axis_names == ["batch", "model"] and grid.shape == (2, 2)
+    with pytest.raises(ValueError, match="needs 8 devices; there are 4"):
+        make_mesh({"batch": 2, "model": 4})
+    with pytest.raises(ValueError, match="positive integer"):
+        make_mesh({"model": 0}, CPUS[:1])
+    with pytest.raises(TypeError, match="mapping"):
+        make_mesh([("model", 2)])
