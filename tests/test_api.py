@@ -125,3 +125,17 @@ def test_tuner_names_and_parity():
         ours = getattr(tuner, name)
         assert issubclass(ours, getattr(keras_tuner, name))
         assert ours.__mro__[1] is tuner.DistributedTuner
+
+
+def test_dtensor_names():
+    from keras_dist import dtensor
+
+    assert dtensor.__all__ == sorted(dtensor.__all__) == [
+        "LayoutMapper", "ShardedModel", "initialize", "make_mesh", "shard",
+    ]
+    assert signature(dtensor.LayoutMapper.__init__) == (
+        "(self, mesh: 'keras.distribution.DeviceMesh', *, model_axis: 'str' = "
+        "'model', embedding: \"Literal['vocabulary', 'dim']\" = 'vocabulary', "
+        "min_elements: 'int' = 1024, rules: 'Mapping[str, Axes | None] | None' "
+        "= None)"
+    )

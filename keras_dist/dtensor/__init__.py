@@ -8,10 +8,12 @@ per-device memory summary. Keras' own vocabulary (`DeviceMesh`,
 `TensorLayout`, `LayoutMap`) is used throughout, so a map means the same
 thing on every backend.
 
-Training with the map (sharded `DVariable`s) is not available yet.
+`shard(model, mesh, layout_map)` (a preview) trains a copy of a compiled
+model whose variables and optimizer slots are sharded `DVariable`s.
 """
 
 from keras_dist.dtensor.layout_mapper import LayoutMapper
 from keras_dist.dtensor.mesh import initialize, make_mesh
+from keras_dist.dtensor.sharded_model import ShardedModel, shard
 
-__all__ = ["LayoutMapper", "initialize", "make_mesh"]
+__all__ = ["LayoutMapper", "ShardedModel", "initialize", "make_mesh", "shard"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Mapping, Sequence
 
 import keras
@@ -16,7 +17,8 @@ def initialize(num_devices: int | None = None, device_type: str = "CPU") -> int:
     the first op, model or strategy). On a CPU, `num_devices` first splits
     the CPU into that many logical devices (`keras_dist.simulate_replicas`),
     so a laptop or a CI runner can hold a mesh; on GPUs or TPUs leave it
-    `None`.
+    `None`. On a CPU it also gives TensorFlow at least two inter-op threads
+    per device (DTensor's CPU collectives block one each while they wait).
 
     Args:
         num_devices: Optional positive integer: logical CPU devices to create
@@ -55,6 +57,16 @@ def initialize(num_devices: int | None = None, device_type: str = "CPU") -> int:
     from tensorflow.experimental import dtensor
 
     try:
+        if device_type == "CPU":
+            # DTensor's CPU collectives hold an inter-op thread per device
+            # while they wait: with fewer threads than devices (a 2-core
+            # machine splitting 4 devices) a step can block for good.
+            devices = len(tf.config.get_logical_device_configuration(
+                tf.config.list_physical_devices("CPU")[0]) or [None])
+            current = tf.config.threading.get_inter_op_parallelism_threads()
+            if current < 2 * devices:
+                tf.config.threading.set_inter_op_parallelism_threads(2 * devices)
+                os.environ["TF_NUM_INTEROP_THREADS"] = str(2 * devices)
         dtensor.initialize_accelerator_system(device_type)
     except (RuntimeError, ValueError) as e:
         raise RuntimeError(
