@@ -190,7 +190,14 @@ class ShardedModel:
             with tf.GradientTape() as tape:
                 y_pred = model(x, training=True)
                 loss = model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
-            return loss, tape.gradient(loss, model.trainable_variables)
+            gradients = tape.gradient(loss, model.trainable_variables)
+            # DTensor has no layout propagation for sparse updates
+            # (ResourceScatterSub): embedding gradients are made dense.
+            gradients = [
+                tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                for g in gradients
+            ]
+            return loss, gradients
 
         # The update runs in its own function: inside the one that computes
         # the gradients, with batch-sharded inputs, Keras' momentum and Adam
