@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 
 from keras_dist import _cluster_spec
+from keras_dist._checks import check_log_dir, check_script, check_seconds
 
 _TAIL_LINES = 40
 
@@ -295,27 +296,15 @@ def launch(
 
 def _plan(script, num_workers, hosts, rank, max_restarts, log_dir, grace_period):
     """Validates everything up front; returns a TF_CONFIG factory."""
-    if not isinstance(script, (str, os.PathLike)) or not os.path.isfile(script):
-        raise ValueError(
-            "Invalid value for argument `script`: no such file. Received: "
-            f"script={script!r}. Pass the path of the training script."
-        )
+    check_script(script, "training")
     for name, value in (("max_restarts", max_restarts),):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(
                 f"Invalid value for argument `{name}`. Expected a non-negative "
                 f"integer. Received: {name}={value!r}."
             )
-    if not isinstance(grace_period, (int, float)) or grace_period <= 0:
-        raise ValueError(
-            "Invalid value for argument `grace_period`. Expected a positive "
-            f"number of seconds. Received: grace_period={grace_period!r}."
-        )
-    if log_dir is not None and os.path.exists(log_dir) and not os.path.isdir(log_dir):
-        raise ValueError(
-            "Invalid value for argument `log_dir`: it exists and is not a "
-            f"directory. Received: log_dir={log_dir!r}."
-        )
+    check_seconds("grace_period", grace_period)
+    check_log_dir(log_dir)
     if num_workers is not None and hosts is not None:
         raise ValueError(
             "Arguments `num_workers` and `hosts` are mutually exclusive. "

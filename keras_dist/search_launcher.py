@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 
 from keras_dist import _cluster_spec
+from keras_dist._checks import check_log_dir, check_script, check_seconds
 from keras_dist.launcher import (
     _Group,
     _describe_exit,
@@ -197,11 +198,7 @@ def _supervise(group, groups, interrupt, grace_period, finish_timeout) -> int:
 
 def _check(script, num_workers, workers_per_trial, port, log_dir,
            grace_period, finish_timeout) -> None:
-    if not isinstance(script, (str, os.PathLike)) or not os.path.isfile(script):
-        raise ValueError(
-            "Invalid value for argument `script`: no such file. Received: "
-            f"script={script!r}. Pass the path of the search script."
-        )
+    check_script(script, "search")
     for name, value in (("num_workers", num_workers),
                         ("workers_per_trial", workers_per_trial)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -215,13 +212,8 @@ def _check(script, num_workers, workers_per_trial, port, log_dir,
             f"`num_workers` (whole trial groups). Received: num_workers="
             f"{num_workers}, workers_per_trial={workers_per_trial}."
         )
-    for name, value in (("grace_period", grace_period),
-                        ("finish_timeout", finish_timeout)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise ValueError(
-                f"Invalid value for argument `{name}`. Expected a positive "
-                f"number of seconds. Received: {name}={value!r}."
-            )
+    check_seconds("grace_period", grace_period)
+    check_seconds("finish_timeout", finish_timeout)
     if port is not None:
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise ValueError(
@@ -229,8 +221,4 @@ def _check(script, num_workers, workers_per_trial, port, log_dir,
                 f"1..65535. Received: port={port!r}."
             )
         _cluster_spec.check_port_free(f"127.0.0.1:{port}")
-    if log_dir is not None and os.path.exists(log_dir) and not os.path.isdir(log_dir):
-        raise ValueError(
-            "Invalid value for argument `log_dir`: it exists and is not a "
-            f"directory. Received: log_dir={log_dir!r}."
-        )
+    check_log_dir(log_dir)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import numbers
 import os
 
 import numpy as np
@@ -15,6 +14,7 @@ from keras_tuner.src.engine import hyperparameters as hp_module
 from keras_tuner.src.engine import trial as trial_module
 from keras_tuner.src.engine.tuner import maybe_distribute
 
+from keras_dist._checks import check_seconds
 from keras_dist.strategy import StrategySpec, resolve_strategy, worker_info
 from keras_dist.tuner import _oracle
 
@@ -116,15 +116,7 @@ class DistributedTuner:
             ("heartbeat_interval", heartbeat_interval),
             ("worker_timeout", worker_timeout),
         ):
-            if (
-                not isinstance(value, numbers.Real)
-                or isinstance(value, bool)
-                or not value > 0
-            ):
-                raise ValueError(
-                    f"Invalid value for argument `{name}`. Expected a positive "
-                    f"number of seconds. Received: {name}={value!r}"
-                )
+            check_seconds(name, value)
         if worker_timeout <= 2 * heartbeat_interval:
             raise ValueError(
                 "Invalid value for argument `worker_timeout`. Expected more "
