@@ -131,7 +131,7 @@ def test_dtensor_names():
     from keras_dist import dtensor
 
     assert dtensor.__all__ == sorted(dtensor.__all__) == [
-        "LayoutMapper", "ShardedModel", "initialize", "make_mesh", "shard",
+        "LayoutMapper", "ShardedModel", "initialize", "load_model", "make_mesh", "shard",
     ]
     assert signature(dtensor.LayoutMapper.__init__) == (
         "(self, mesh: 'keras.distribution.DeviceMesh', *, model_axis: 'str' = "

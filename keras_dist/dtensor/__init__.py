@@ -14,6 +14,6 @@ model whose variables and optimizer slots are sharded `DVariable`s.
 
 from keras_dist.dtensor.layout_mapper import LayoutMapper
 from keras_dist.dtensor.mesh import initialize, make_mesh
-from keras_dist.dtensor.sharded_model import ShardedModel, shard
+from keras_dist.dtensor.sharded_model import ShardedModel, load_model, shard
 
-__all__ = ["LayoutMapper", "ShardedModel", "initialize", "make_mesh", "shard"]
+__all__ = ["LayoutMapper", "ShardedModel", "initialize", "load_model", "make_mesh", "shard"]

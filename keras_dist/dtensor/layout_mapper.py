@@ -146,7 +146,7 @@ class LayoutMapper:
             for path, axes in self._automatic(model).items()
             if math.prod(variables[path].shape) >= self.min_elements
         }
-        for path, variable in variables.items():
+        for path in variables:
             matches = [p for p in self.rules if re.fullmatch(p, path)]
             if len(matches) > 1:
                 raise ValueError(

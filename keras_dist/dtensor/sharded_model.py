@@ -10,6 +10,7 @@ mesh's `"batch"` axis when it has one.
 from __future__ import annotations
 
 import math
+import os
 import re
 
 import keras
@@ -25,7 +26,7 @@ BATCH_AXIS = "batch"
 def shard(
     model: keras.Model,
     mesh: keras.distribution.DeviceMesh,
-    layout_map: keras.distribution.LayoutMap | None = None,
+    layout_map: keras.distribution.LayoutMap | LayoutMapper | None = None,
 ) -> ShardedModel:
     """Returns a `ShardedModel`: `model` (built, compiled) with sharded variables.
 
@@ -34,8 +35,8 @@ def shard(
             is left untouched; the copy starts from its weights.
         mesh: A `keras.distribution.DeviceMesh` over devices DTensor knows
             (`keras_dist.dtensor.initialize` first).
-        layout_map: A `keras.distribution.LayoutMap` (default:
-            `LayoutMapper(mesh).layout_map(model)`).
+        layout_map: A `keras.distribution.LayoutMap`, or a `LayoutMapper` to
+            apply to the model (default: `LayoutMapper(mesh)`).
 
     Example:
 
@@ -59,6 +60,12 @@ class ShardedModel:
     """
 
     def __init__(self, model, mesh, layout_map=None):
+        if not isinstance(mesh, keras.distribution.DeviceMesh):
+            raise TypeError(
+                "Argument `mesh` must be a keras.distribution.DeviceMesh (see "
+                f"keras_dist.dtensor.make_mesh). Received: mesh={mesh!r} of type "
+                f"{type(mesh).__name__}"
+            )
         if not model.built or not model.weights:
             raise ValueError(
                 f"shard() needs a built model; {model.name!r} has no weights "
@@ -70,30 +77,57 @@ class ShardedModel:
                 "(its optimizer, loss and metrics are copied)."
             )
         if layout_map is None:
-            layout_map = LayoutMapper(mesh).layout_map(model)
+            layout_map = LayoutMapper(mesh)
+        if isinstance(layout_map, LayoutMapper):
+            layout_map = layout_map.layout_map(model)
+        elif not isinstance(layout_map, keras.distribution.LayoutMap):
+            raise TypeError(
+                "Argument `layout_map` must be a keras.distribution.LayoutMap, a "
+                f"keras_dist.dtensor.LayoutMapper or None. Received: layout_map="
+                f"{layout_map!r} of type {type(layout_map).__name__}"
+            )
         self.mesh = mesh
         self.dmesh = _dtensor_mesh(mesh)
-        self.layouts: dict[str, dtensor.Layout] = {}
+        by_source_path = {}
         for variable in model.weights:
             layout = layout_map[variable.path]
             axes = layout.axes if layout is not None else (None,) * len(variable.shape)
-            self.layouts[variable.path] = dtensor.Layout(
+            by_source_path[variable.path] = dtensor.Layout(
                 [a if a is not None else dtensor.UNSHARDED for a in axes], self.dmesh
             )
+        self.layouts: dict[str, dtensor.Layout] = by_source_path
+        self._slot_prefixes = []
+        with tf.variable_creator_scope(self._creator):
+            self.model = keras.models.clone_model(model)
+        # The copy's paths can differ from the source's (a Sequential loaded
+        # from a .keras file has no model name in its paths): key by the copy.
+        self.layouts = {
+            target.path: by_source_path[source.path]
+            for source, target in zip(model.weights, self.model.weights)
+        }
+        for path, variable in zip(self.layouts, self.model.weights):
+            if dtensor.fetch_layout(variable.value) != self.layouts[path]:
+                raise RuntimeError(
+                    f"Variable {path!r} was created with layout "
+                    f"{dtensor.fetch_layout(variable.value).sharding_specs}, not "
+                    f"{self.layouts[path].sharding_specs} as the layout map says."
+                )
         # Optimizer slots are named after their variable's path.
         self._slot_prefixes = sorted(
             ((p.replace("/", "_"), layout) for p, layout in self.layouts.items()),
             key=lambda item: -len(item[0]),
         )
         with tf.variable_creator_scope(self._creator):
-            self.model = keras.models.clone_model(model)
-            config = model.get_compile_config()
-            self.model.compile(**keras.saving.deserialize_keras_object(config))
+            self.model.compile(
+                **keras.saving.deserialize_keras_object(model.get_compile_config())
+            )
             self.model.optimizer.build(self.model.trainable_variables)
-        for source, target in zip(model.weights, self.model.weights):
-            target.assign(self._put(source.numpy(), self.layouts[target.path]))
+        self._source = model
+        self._compile_config = model.get_compile_config()
+        self._copy_from(model)
         self._train_step = None
         self._predict_step = None
+        self._host = None
 
     # -- variables ---------------------------------------------------------
 
@@ -105,9 +139,9 @@ class ShardedModel:
         name = kwargs.get("name") or ""
         scope = tf.get_current_name_scope()
         path = f"{scope}/{name}" if scope else name
-        layout = self.layouts.get(path)
+        base = re.sub(r"^[^/]*/", "", path)
+        layout = self.layouts.get(path, self.layouts.get(base))
         if layout is None:
-            base = re.sub(r"^[^/]*/", "", path)
             for prefix, candidate in self._slot_prefixes:
                 if base.startswith(prefix + "_") and candidate.rank == initial.shape.rank:
                     layout = candidate
@@ -162,25 +196,106 @@ class ShardedModel:
             "replicated_optimizer": opt_whole,
         }
 
-    # -- training ----------------------------------------------------------
+    # -- input -------------------------------------------------------------
 
-    def _batch_layout(self, rank):
-        axes = [dtensor.UNSHARDED] * rank
+    def _batch_size_of_axis(self) -> int:
+        return dict(zip(self.mesh.axis_names, self.mesh.shape)).get(BATCH_AXIS, 1)
+
+    def _put_batch(self, array):
+        array = np.asarray(array)
+        axes = [dtensor.UNSHARDED] * array.ndim
         if BATCH_AXIS in self.mesh.axis_names:
             axes[0] = BATCH_AXIS
-        return dtensor.Layout(axes, self.dmesh)
+        return self._put(array, dtensor.Layout(axes, self.dmesh))
 
-    def _inputs(self, array):
-        array = np.asarray(array)
-        if BATCH_AXIS in self.mesh.axis_names:
-            size = dict(zip(self.mesh.axis_names, self.mesh.shape))[BATCH_AXIS]
-            if len(array) % size:
+    def _inputs(self, structure):
+        """Numpy arrays (or a nest of them) -> DTensors split over "batch"."""
+        leaves = tf.nest.flatten(structure)
+        count = len(leaves[0])
+        split = self._batch_size_of_axis()
+        if count % split:
+            raise ValueError(
+                f"A batch of {count} samples cannot be split over the mesh axis "
+                f"{BATCH_AXIS!r} of size {split}. Use a batch size divisible by "
+                f"{split} (for a tf.data.Dataset: batch(..., drop_remainder=True))."
+            )
+        return tf.nest.map_structure(self._put_batch, structure)
+
+    def _batches(self, x, y, batch_size, *, shuffle=False, rng=None, with_y=True):
+        """Yields (x, y) numpy batches from arrays or a batched tf.data.Dataset."""
+        if isinstance(x, tf.data.Dataset):
+            for element in x.as_numpy_iterator():
+                if with_y:
+                    if not isinstance(element, tuple) or len(element) != 2:
+                        raise ValueError(
+                            "Argument `x` must yield (inputs, targets) pairs: "
+                            "sample weights are not supported by ShardedModel. "
+                            f"Received an element of type {type(element).__name__}"
+                            + (f" with {len(element)} parts."
+                               if isinstance(element, tuple) else ".")
+                        )
+                    yield element
+                else:
+                    yield (element[0] if isinstance(element, tuple) else element), None
+            return
+        count = len(tf.nest.flatten(x)[0])
+        order = rng.permutation(count) if shuffle else np.arange(count)
+        for start in range(0, count, batch_size):
+            index = order[start : start + batch_size]
+            xb = tf.nest.map_structure(lambda a, i=index: np.asarray(a)[i], x)
+            yb = None if y is None else tf.nest.map_structure(
+                lambda a, i=index: np.asarray(a)[i], y
+            )
+            yield xb, yb
+
+    def _check_data(self, method, x, y, batch_size, needs_y):
+        split = self._batch_size_of_axis()
+        if isinstance(x, tf.data.Dataset):
+            if y is not None:
                 raise ValueError(
-                    f"A batch of {len(array)} samples cannot be split over the "
-                    f"mesh axis {BATCH_AXIS!r} of size {size}. Pick a batch size "
-                    "(and a data size) divisible by it."
+                    f"{method}(): argument `y` must be None when `x` is a "
+                    "tf.data.Dataset (it yields the targets). Received: "
+                    f"y of type {type(y).__name__}"
                 )
-        return self._put(array, self._batch_layout(array.ndim))
+            if split > 1:
+                # Checked before any step: a short last batch would otherwise
+                # fail halfway through an epoch.
+                for spec in tf.nest.flatten(x.element_spec):
+                    size = spec.shape[0] if spec.shape.rank else None
+                    if size is None or size % split:
+                        raise ValueError(
+                            f"{method}(): the dataset's batches must have a fixed "
+                            f"size divisible by the mesh axis {BATCH_AXIS!r} of size "
+                            f"{split}. Received: element_spec={x.element_spec}. Batch "
+                            "it with dataset.batch(n, drop_remainder=True), n "
+                            f"divisible by {split}."
+                        )
+            return
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(
+                f"{method}(): argument `batch_size` must be a positive integer. "
+                f"Received: batch_size={batch_size!r}"
+            )
+        if batch_size % split:
+            raise ValueError(
+                f"{method}(): argument `batch_size` must be divisible by the "
+                f"mesh axis {BATCH_AXIS!r} of size {split}. Received: "
+                f"batch_size={batch_size}"
+            )
+        if needs_y and y is None:
+            raise ValueError(
+                f"{method}(): argument `y` is required with array inputs. Received: y=None"
+            )
+        count = len(tf.nest.flatten(x)[0])
+        if count % batch_size % split:
+            raise ValueError(
+                f"{method}(): the last batch of {count % batch_size} samples "
+                f"({count} samples, batch_size={batch_size}) cannot be split over "
+                f"the mesh axis {BATCH_AXIS!r} of size {split}. Pass a number of "
+                f"samples whose remainder is divisible by {split}."
+            )
+
+    # -- training ----------------------------------------------------------
 
     def _make_train_step(self):
         model = self.model
@@ -214,35 +329,179 @@ class ShardedModel:
 
         return step
 
-    def fit(self, x, y, batch_size: int = 32, epochs: int = 1, shuffle: bool = False,
-            seed: int = 0) -> dict:
-        """Trains on numpy arrays; returns `{"loss": [per-epoch mean loss]}`."""
+    def fit(self, x, y=None, batch_size: int = 32, epochs: int = 1, shuffle: bool = False,
+            seed: int = 0, verbose: int = 0) -> dict:
+        """Trains on numpy arrays (or nests of them) or a batched `tf.data.Dataset`.
+
+        Args:
+            x: Inputs: an array, a list/dict of arrays, or a `tf.data.Dataset`
+                of `(inputs, targets)` batches (every batch divisible by the
+                mesh's `"batch"` axis: `batch(..., drop_remainder=True)`).
+            y: Targets for array inputs; `None` with a dataset.
+            batch_size: Global batch for array inputs, split over `"batch"`.
+            epochs: Passes over the data.
+            shuffle: Reshuffle array inputs each epoch (seeded by `seed`).
+            seed: Seed of the shuffle.
+            verbose: 1 prints each epoch's mean loss.
+
+        Returns:
+            `{"loss": [mean training loss of each epoch]}`.
+        """
+        self._check_data("fit", x, y, batch_size, needs_y=True)
+        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+            raise ValueError(
+                f"fit(): argument `epochs` must be a positive integer. Received: epochs={epochs!r}"
+            )
         if self._train_step is None:
             self._train_step = self._make_train_step()
-        x, y = np.asarray(x), np.asarray(y)
         history = {"loss": []}
         rng = np.random.default_rng(seed)
-        for _ in range(epochs):
-            order = rng.permutation(len(x)) if shuffle else np.arange(len(x))
-            losses = []
-            for start in range(0, len(x), batch_size):
-                index = order[start : start + batch_size]
-                loss = self._train_step(self._inputs(x[index]), self._inputs(y[index]))
-                losses.append(float(self._get(loss)))
-            history["loss"].append(float(np.mean(losses)))
+        for epoch in range(epochs):
+            total, count = 0.0, 0
+            for xb, yb in self._batches(x, y, batch_size, shuffle=shuffle, rng=rng):
+                loss = self._train_step(self._inputs(xb), self._inputs(yb))
+                samples = len(tf.nest.flatten(xb)[0])
+                total += float(self._get(loss)) * samples
+                count += samples
+            history["loss"].append(total / max(count, 1))
+            if verbose:
+                print(f"Epoch {epoch + 1}/{epochs} - loss: {history['loss'][-1]:.4f}")
         return history
 
-    def predict(self, x, batch_size: int = 32) -> np.ndarray:
-        """Predictions for numpy `x`, gathered on the host."""
+    def _predict_batches(self, x, y, batch_size, with_y):
         if self._predict_step is None:
             model = self.model
             self._predict_step = tf.function(lambda batch: model(batch, training=False))
-        x = np.asarray(x)
-        outputs = [
-            self._get(self._predict_step(self._inputs(x[start : start + batch_size])))
-            for start in range(0, len(x), batch_size)
-        ]
-        return np.concatenate(outputs)
+        for xb, yb in self._batches(x, y, batch_size, with_y=with_y):
+            yield xb, yb, self._get(self._predict_step(self._inputs(xb)))
+
+    def predict(self, x, batch_size: int = 32) -> np.ndarray:
+        """Predictions for arrays or a `tf.data.Dataset`, gathered on the host."""
+        self._check_data("predict", x, None, batch_size, needs_y=False)
+        return np.concatenate(
+            [pred for _, _, pred in self._predict_batches(x, None, batch_size, False)]
+        )
+
+    def evaluate(self, x, y=None, batch_size: int = 32) -> dict[str, float]:
+        """Loss and compiled metrics, like `keras.Model.evaluate(return_dict=True)`.
+
+        The forward pass runs sharded; the loss and metrics are computed from
+        the gathered predictions with the model's compiled loss and metrics
+        (sample-weighted mean over all batches, as Keras does).
+        """
+        self._check_data("evaluate", x, y, batch_size, needs_y=True)
+        host = self._host_metrics()
+        host.reset_metrics()
+        total, count, results = 0.0, 0, {}
+        for xb, yb, pred in self._predict_batches(x, y, batch_size, True):
+            samples = len(pred)
+            loss = host.compute_loss(x=xb, y=yb, y_pred=pred, training=False)
+            total += float(loss) * samples
+            count += samples
+            results = host.compute_metrics(xb, yb, pred, sample_weight=None)
+        results = {k: float(v) for k, v in results.items() if k != "loss"}
+        return {"loss": total / max(count, 1), **results}
+
+    def _host_metrics(self) -> keras.Model:
+        if self._host is None:
+            host = keras.models.clone_model(self._source)
+            host.compile(**keras.saving.deserialize_keras_object(self._compile_config))
+            self._host = host
+        return self._host
+
+    # -- saving --------------------------------------------------------------
+
+    def to_keras(self) -> keras.Model:
+        """A plain compiled `keras.Model` holding the gathered weights and optimizer state.
+
+        What `save` and `save_weights` write; hand it to code that expects a
+        `keras.Model` (export, serving, Keras' own evaluate).
+        """
+        host = keras.models.clone_model(self._source)
+        host.compile(**keras.saving.deserialize_keras_object(self._compile_config))
+        host.optimizer.build(host.trainable_variables)
+        for target, value in zip(host.weights, self.get_weights()):
+            target.assign(value)
+        for target, source in zip(host.optimizer.variables, self.model.optimizer.variables):
+            target.assign(self._get(source.value))
+        return host
+
+    def save(self, filepath: str) -> None:
+        """Saves a `.keras` file gathered to replicated, optimizer state included.
+
+        `keras_dist.dtensor.load_model(filepath, mesh)` re-shards it onto any
+        mesh; `keras.saving.load_model(filepath)` loads it unsharded.
+        """
+        _check_suffix("filepath", filepath, ".keras")
+        self.to_keras().save(filepath)
+
+    def save_weights(self, filepath: str) -> None:
+        """Saves the gathered weights and optimizer state to a `.weights.h5` file."""
+        _check_suffix("filepath", filepath, ".weights.h5")
+        self.to_keras().save_weights(filepath)
+
+    def load_weights(self, filepath: str) -> None:
+        """Loads a `.weights.h5` file (saved from any mesh, or by Keras) and re-shards it."""
+        _check_suffix("filepath", filepath, ".weights.h5")
+        if not os.path.isfile(filepath):
+            raise FileNotFoundError(
+                f"Argument `filepath` names no file. Received: filepath={filepath!r}"
+            )
+        host = self.to_keras()
+        host.load_weights(filepath)
+        self._copy_from(host)
+
+    def _copy_from(self, source: keras.Model) -> None:
+        """Assigns `source`'s weights (and optimizer state, when built) to the shards."""
+        if len(source.weights) != len(self.model.weights):
+            raise ValueError(
+                f"The weights come from a different model: {len(source.weights)} "
+                f"variables, this model has {len(self.model.weights)}."
+            )
+        for origin, target in zip(source.weights, self.model.weights):
+            if tuple(origin.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"Variable {target.path!r} has shape {tuple(target.shape)}; "
+                    f"the weights given have {tuple(origin.shape)}."
+                )
+        for origin, target in zip(source.weights, self.model.weights):
+            target.assign(self._put(origin.numpy(), self.layouts[target.path]))
+        slots = source.optimizer.variables if source.optimizer is not None else []
+        targets = self.model.optimizer.variables
+        if len(slots) == len(targets) and all(
+            tuple(a.shape) == tuple(b.shape) for a, b in zip(slots, targets)
+        ):
+            for origin, target in zip(slots, targets):
+                target.assign(self._put(origin.numpy(), dtensor.fetch_layout(target.value)))
+
+
+def load_model(
+    filepath: str,
+    mesh: keras.distribution.DeviceMesh,
+    layout_map: keras.distribution.LayoutMap | LayoutMapper | None = None,
+    custom_objects: dict | None = None,
+) -> ShardedModel:
+    """Loads a `.keras` file and shards it onto `mesh` (any mesh, not only the one saved from).
+
+    The file may come from `ShardedModel.save` or from plain Keras; weights
+    and, when present, optimizer state are re-sharded with `layout_map`
+    (a `LayoutMap` or a `LayoutMapper`; default: `LayoutMapper(mesh)`).
+    """
+    _check_suffix("filepath", filepath, ".keras")
+    if not os.path.isfile(filepath):
+        raise FileNotFoundError(
+            f"Argument `filepath` names no file. Received: filepath={filepath!r}"
+        )
+    model = keras.saving.load_model(filepath, custom_objects=custom_objects)
+    return ShardedModel(model, mesh, layout_map)
+
+
+def _check_suffix(name: str, value, suffix: str) -> None:
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value).endswith(suffix):
+        raise ValueError(
+            f"Argument `{name}` must be a path ending in {suffix!r}. Received: "
+            f"{name}={value!r}"
+        )
 
 
 def _dtensor_mesh(mesh: keras.distribution.DeviceMesh):

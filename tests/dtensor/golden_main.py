@@ -1,8 +1,11 @@
 """Golden runs of `keras_dist.dtensor.shard` (a subprocess: DTensor starts first).
 
-Usage: golden_main.py MESH [OPTIMIZER ...]; MESH is model2, model4 or
-batch2_model2. Prints one JSON line per optimizer: the max |weight difference| to
-the same training on one device and the bytes per device.
+Usage:
+    golden_main.py golden MESH   one JSON line per (model, optimizer): the max
+                                 |weight difference| to one device, bytes
+    golden_main.py save MESH DIR trains 1 epoch (tf.data input), saves
+    golden_main.py load MESH DIR loads onto MESH, trains 1 more epoch, compares
+MESH is model2, model4 or batch2_model2.
 """
 
 import json
@@ -17,10 +20,10 @@ kd.initialize(4)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
-rs = np.random.RandomState(0)
-x = rs.randn(32, 8).astype("float32")
-y = (x @ rs.randn(8, 1)).astype("float32")
+MESHES = {"model2": {"model": 2}, "model4": {"model": 4},
+          "batch2_model2": {"batch": 2, "model": 2}}
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.05),
     "momentum": lambda: keras.optimizers.SGD(0.01, momentum=0.9),
@@ -28,36 +31,182 @@ OPTIMIZERS = {
 }
 
 
-def build(optimizer):
+def data(kind, dtype="float32"):
+    rs = np.random.RandomState(0)
+    if kind == "mlp":
+        x = rs.randn(32, 8)
+        return x.astype(dtype), (x @ rs.randn(8, 1)).astype(dtype)
+    if kind == "transformer":
+        return rs.randn(16, 5, 16).astype(dtype), rs.randn(16, 5, 1).astype(dtype)
+    # Each batch of 8 holds every token id once: with a repeated id, Keras'
+    # one-device Adam squares each occurrence's sparse gradient separately
+    # (sum of squares, not square of the sum), which a dense gradient cannot
+    # reproduce; SGD and momentum are unaffected.
+    x = np.concatenate([rs.permutation(32).reshape(8, 4) for _ in range(2)])
+    return x.astype("int32"), rs.randn(16, 1).astype(dtype)
+
+
+def build(kind, optimizer, jit_compile=False):
     keras.utils.set_random_seed(1)
-    model = keras.Sequential([
-        keras.Input((8,)),
-        keras.layers.Dense(32, activation="relu", name="up"),
-        keras.layers.Dense(16, name="down"),
-        keras.layers.Dense(1, name="head"),  # output dimension 1: replicated
-    ], name="mlp")
-    model.compile(optimizer, "mse", jit_compile=False)
+    if kind == "mlp":
+        model = keras.Sequential([
+            keras.Input((8,)),
+            keras.layers.Dense(32, activation="relu", name="up"),
+            keras.layers.Dense(16, name="down"),
+            keras.layers.Dense(1, name="head"),  # output dimension 1: replicated
+        ], name="mlp")
+    elif kind == "transformer":
+        inputs = keras.Input((5, 16))
+        h = keras.layers.MultiHeadAttention(4, 8, name="attn")(inputs, inputs)
+        h = keras.layers.LayerNormalization(name="norm")(h + inputs)
+        h = keras.layers.Dense(32, activation="relu", name="fc1")(h)
+        h = keras.layers.Dense(16, name="fc2")(h)
+        model = keras.Model(inputs, keras.layers.Dense(1, name="out")(h))
+    else:
+        inputs = keras.Input((4,), dtype="int32")
+        h = keras.layers.Embedding(32, 8, name="emb")(inputs)
+        h = keras.layers.Flatten()(h)
+        model = keras.Model(inputs, keras.layers.Dense(1, name="out")(h))
+    model.compile(optimizer, "mse", jit_compile=jit_compile)
     return model
 
 
-MESHES = {"model2": {"model": 2}, "model4": {"model": 4},
-          "batch2_model2": {"batch": 2, "model": 2}}
-for shape in [MESHES[sys.argv[1]]]:
-    devices = [f"cpu:{i}" for i in range(int(np.prod(list(shape.values()))))]
-    mesh = kd.make_mesh(shape, devices)
-    for name in sys.argv[2:] or OPTIMIZERS:
-        reference = build(OPTIMIZERS[name]())
-        sharded = kd.shard(
-            reference, mesh, kd.LayoutMapper(mesh, min_elements=0).layout_map(reference)
-        )
-        reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-        sharded.fit(x, y, batch_size=8, epochs=2)
-        diff = max(
-            float(np.abs(a - b).max())
-            for a, b in zip(sharded.get_weights(), reference.get_weights())
-        )
-        predictions = float(np.abs(sharded.predict(x, 8) - reference.predict(x, 8, verbose=0)).max())
-        print(json.dumps({"mesh": shape, "optimizer": name, "max_diff": diff,
-                          "predict_diff": predictions,
-                          **{f"bytes_{k}": v for k, v in sharded.bytes_per_device().items()}}),
-              flush=True)
+def max_diff(a_weights, b_weights):
+    return max(float(np.abs(a - b).max()) for a, b in zip(a_weights, b_weights))
+
+
+def golden(mesh):
+    for kind in ("mlp", "transformer", "embedding"):
+        for name in OPTIMIZERS:
+            # Adam divides by sqrt(v): on a gradient entry near zero, float32
+            # rounding of a different summation order moves the update by up
+            # to the learning rate. float64 shows the math; float32 the noise.
+            for dtype in ("float32", "float64") if name == "adam" else ("float32",):
+                keras.config.set_floatx(dtype)
+                keras.config.set_dtype_policy(dtype)
+                x, y = data(kind, dtype)
+                reference = build(kind, OPTIMIZERS[name]())
+                mapper = kd.LayoutMapper(mesh, min_elements=0)
+                sharded = kd.shard(reference, mesh, mapper.layout_map(reference))
+                row = {"model": kind, "optimizer": name, "dtype": dtype,
+                       "sharded": sorted(mapper.layouts(reference))}
+                if dtype == "float32" and name == "adam":
+                    # The noise floor: the same one-device training, compiled by XLA.
+                    other = build(kind, OPTIMIZERS[name](), jit_compile=True)
+                    other.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+                reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+                sharded.fit(x, y, batch_size=8, epochs=2)
+                row["max_diff"] = max_diff(sharded.get_weights(), reference.get_weights())
+                if dtype == "float32" and name == "adam":
+                    row["xla_vs_plain_one_device"] = max_diff(
+                        other.get_weights(), reference.get_weights())
+                row["predict_diff"] = float(np.abs(
+                    sharded.predict(x, 8) - reference.predict(x, 8, verbose=0)).max())
+                row.update({f"bytes_{k}": v for k, v in sharded.bytes_per_device().items()})
+                print(json.dumps(row), flush=True)
+    keras.config.set_floatx("float32")
+    keras.config.set_dtype_policy("float32")
+
+
+def classifier():
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(32, activation="relu", name="up"),
+        keras.layers.Dense(16, activation="relu", name="down"),
+        keras.layers.Dense(4, activation="softmax", name="head"),
+    ], name="clf")
+    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy",
+                  metrics=["accuracy"], jit_compile=False)
+    return model
+
+
+def classification_data():
+    rs = np.random.RandomState(3)
+    x = rs.randn(64, 8).astype("float32")
+    return x, np.argmax(x[:, :4], axis=1).astype("int32")
+
+
+def save(mesh, directory):
+    x, y = classification_data()
+    sharded = kd.shard(classifier(), mesh, kd.LayoutMapper(mesh, min_elements=0))
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
+    sharded.fit(dataset, epochs=1)
+    sharded.save(os.path.join(directory, "model.keras"))
+    sharded.save_weights(os.path.join(directory, "model.weights.h5"))
+    np.savez(os.path.join(directory, "after_one_epoch.npz"), *sharded.get_weights())
+
+
+def load(mesh, directory):
+    x, y = classification_data()
+    reference = classifier()
+    reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    saved = np.load(os.path.join(directory, "after_one_epoch.npz"))
+    saved = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    row = {"saved_vs_one_device": max_diff(saved, reference.get_weights())}
+
+    restored = kd.load_model(os.path.join(directory, "model.keras"), mesh,
+                             kd.LayoutMapper(mesh, min_elements=0))
+    row["loaded_vs_saved"] = max_diff(restored.get_weights(), saved)
+    row["sharded_on_load"] = restored.bytes_per_device()
+    restored.fit(x, y, batch_size=16, epochs=1)  # Adam state came with the file
+    reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    row["second_epoch_vs_one_device"] = max_diff(restored.get_weights(),
+                                                 reference.get_weights())
+
+    fresh = kd.shard(classifier(), mesh, kd.LayoutMapper(mesh, min_elements=0))
+    fresh.load_weights(os.path.join(directory, "model.weights.h5"))
+    row["load_weights_vs_saved"] = max_diff(fresh.get_weights(), saved)
+
+    ours = restored.evaluate(x, y, batch_size=16)
+    theirs = reference.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    row["evaluate"] = ours
+    row["evaluate_keras"] = theirs
+    dataset = tf.data.Dataset.from_tensor_slices(x).batch(16, drop_remainder=True)
+    row["predict_dataset_diff"] = float(np.abs(
+        restored.predict(dataset) - reference.predict(x, verbose=0)).max())
+    print(json.dumps(row), flush=True)
+
+
+def errors(mesh, directory):
+    """Each bad argument's message, raised before any work (one JSON line)."""
+    x, y = classification_data()
+    sharded = kd.shard(classifier(), mesh)
+    before = sharded.get_weights()
+    calls = {
+        "batch_size_not_divisible": lambda: sharded.fit(x, y, batch_size=15),
+        "last_batch_not_divisible": lambda: sharded.fit(x[:63], y[:63], batch_size=16),
+        "y_missing": lambda: sharded.fit(x, batch_size=16),
+        "epochs_zero": lambda: sharded.fit(x, y, batch_size=16, epochs=0),
+        "y_with_dataset": lambda: sharded.fit(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(16), y),
+        "dataset_odd_batch": lambda: sharded.fit(
+            tf.data.Dataset.from_tensor_slices((x[:63], y[:63])).batch(16)),
+        "save_suffix": lambda: sharded.save(os.path.join(directory, "model.h5")),
+        "load_missing": lambda: sharded.load_weights(
+            os.path.join(directory, "none.weights.h5")),
+        "layout_map_type": lambda: kd.shard(classifier(), mesh, {"up/kernel": (None, "model")}),
+    }
+    messages = {}
+    for name, call in calls.items():
+        try:
+            call()
+            messages[name] = None
+        except (ValueError, TypeError, FileNotFoundError) as error:
+            messages[name] = f"{type(error).__name__}: {error}"
+    messages["weights_unchanged"] = max_diff(sharded.get_weights(), before)
+    print(json.dumps(messages), flush=True)
+
+
+if __name__ == "__main__":
+    mode, mesh_name = sys.argv[1], sys.argv[2]
+    shape = MESHES[mesh_name]
+    mesh = kd.make_mesh(shape, [f"cpu:{i}" for i in range(int(np.prod(list(shape.values()))))])
+    if mode == "golden":
+        golden(mesh)
+    elif mode == "save":
+        save(mesh, sys.argv[3])
+    elif mode == "load":
+        load(mesh, sys.argv[3])
+    else:
+        errors(mesh, sys.argv[3])
