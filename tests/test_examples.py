@@ -64,3 +64,18 @@ def test_tuner_search_with_two_tuner_workers(tmp_path):
     accuracy = float(re.search(r"\[chief\] best model: test accuracy ([0-9.]+)",
                                done.stdout).group(1))
     assert accuracy > 0.3
+
+
+def test_model_parallel_trains_sharded_on_four_logical_cpus():
+    out = run_example("model_parallel.py", "--smoke")
+    assert "Incompatible Matrix dimensions" not in out
+    assert "mesh: batch=2 x model=2 over 4 CPU devices" in out
+    first, last = map(float, re.search(r"first loss ([0-9.]+)  last loss ([0-9.]+)", out).groups())
+    assert last < first
+    accuracy = float(re.search(r"test accuracy ([0-9.]+)", out).group(1))
+    assert accuracy > 0.3  # chance is 0.1; two epochs
+    reloaded = float(re.search(r"reloaded test accuracy ([0-9.]+)", out).group(1))
+    assert reloaded == accuracy
+    used, whole = (int(v.replace(",", "")) for v in
+                   re.search(r"variables ([0-9,]+) of ([0-9,]+)", out).groups())
+    assert used < 0.6 * whole  # the large layers are split in two

@@ -257,7 +257,7 @@ class ShardedModel:
                     "tf.data.Dataset (it yields the targets). Received: "
                     f"y of type {type(y).__name__}"
                 )
-            if split > 1:
+            if split > 1 and method == "fit":
                 # Checked before any step: a short last batch would otherwise
                 # fail halfway through an epoch.
                 for spec in tf.nest.flatten(x.element_spec):
@@ -287,7 +287,7 @@ class ShardedModel:
                 f"{method}(): argument `y` is required with array inputs. Received: y=None"
             )
         count = len(tf.nest.flatten(x)[0])
-        if count % batch_size % split:
+        if method == "fit" and count % batch_size % split:
             raise ValueError(
                 f"{method}(): the last batch of {count % batch_size} samples "
                 f"({count} samples, batch_size={batch_size}) cannot be split over "
@@ -299,6 +299,7 @@ class ShardedModel:
 
     def _make_train_step(self):
         model = self.model
+        layouts = self.layouts
 
         @tf.function
         def gradients_of(x, y):
@@ -311,6 +312,14 @@ class ShardedModel:
             gradients = [
                 tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                 for g in gradients
+            ]
+            # Each gradient in its variable's layout: a replicated bias next
+            # to a column-sharded kernel otherwise got a gradient laid out
+            # like the kernel's output, and its update came out wrong (107
+            # away from one device after 4 steps).
+            gradients = [
+                dtensor.relayout(g, layouts[v.path])
+                for g, v in zip(gradients, model.trainable_variables)
             ]
             return loss, gradients
 
@@ -372,11 +381,27 @@ class ShardedModel:
         if self._predict_step is None:
             model = self.model
             self._predict_step = tf.function(lambda batch: model(batch, training=False))
+        split = self._batch_size_of_axis()
         for xb, yb in self._batches(x, y, batch_size, with_y=with_y):
-            yield xb, yb, self._get(self._predict_step(self._inputs(xb)))
+            count = len(tf.nest.flatten(xb)[0])
+            # A short last batch is padded (repeating its last sample) to
+            # split over "batch"; the padding's predictions are dropped.
+            pad = -count % split
+            if pad:
+                padded = tf.nest.map_structure(
+                    lambda a: np.concatenate([a, np.repeat(a[-1:], pad, axis=0)]), xb
+                )
+            else:
+                padded = xb
+            pred = self._get(self._predict_step(self._inputs(padded)))
+            yield xb, yb, pred[:count]
 
     def predict(self, x, batch_size: int = 32) -> np.ndarray:
-        """Predictions for arrays or a `tf.data.Dataset`, gathered on the host."""
+        """Predictions for arrays or a `tf.data.Dataset`, gathered on the host.
+
+        Any number of samples: a short last batch is padded to split over the
+        mesh's `"batch"` axis and the padding dropped.
+        """
         self._check_data("predict", x, None, batch_size, needs_y=False)
         return np.concatenate(
             [pred for _, _, pred in self._predict_batches(x, None, batch_size, False)]

@@ -33,7 +33,7 @@ OPTIMIZERS = {
 
 def data(kind, dtype="float32"):
     rs = np.random.RandomState(0)
-    if kind == "mlp":
+    if kind in ("mlp", "mlp_mixed"):
         x = rs.randn(32, 8)
         return x.astype(dtype), (x @ rs.randn(8, 1)).astype(dtype)
     if kind == "transformer":
@@ -48,7 +48,7 @@ def data(kind, dtype="float32"):
 
 def build(kind, optimizer, jit_compile=False):
     keras.utils.set_random_seed(1)
-    if kind == "mlp":
+    if kind in ("mlp", "mlp_mixed"):
         model = keras.Sequential([
             keras.Input((8,)),
             keras.layers.Dense(32, activation="relu", name="up"),
@@ -76,7 +76,7 @@ def max_diff(a_weights, b_weights):
 
 
 def golden(mesh):
-    for kind in ("mlp", "transformer", "embedding"):
+    for kind in ("mlp", "mlp_mixed", "transformer", "embedding"):
         for name in OPTIMIZERS:
             # Adam divides by sqrt(v): on a gradient entry near zero, float32
             # rounding of a different summation order moves the update by up
@@ -86,7 +86,9 @@ def golden(mesh):
                 keras.config.set_dtype_policy(dtype)
                 x, y = data(kind, dtype)
                 reference = build(kind, OPTIMIZERS[name]())
-                mapper = kd.LayoutMapper(mesh, min_elements=0)
+                # mlp_mixed: the up bias (32 elements) stays replicated next
+                # to its column-sharded kernel (256).
+                mapper = kd.LayoutMapper(mesh, min_elements=64 if kind == "mlp_mixed" else 0)
                 sharded = kd.shard(reference, mesh, mapper.layout_map(reference))
                 row = {"model": kind, "optimizer": name, "dtype": dtype,
                        "sharded": sorted(mapper.layouts(reference))}
@@ -165,6 +167,12 @@ def load(mesh, directory):
     dataset = tf.data.Dataset.from_tensor_slices(x).batch(16, drop_remainder=True)
     row["predict_dataset_diff"] = float(np.abs(
         restored.predict(dataset) - reference.predict(x, verbose=0)).max())
+    # 63 samples, batch 10: a last batch of 3 is padded to split over "batch".
+    row["evaluate_odd"] = restored.evaluate(x[:63], y[:63], batch_size=10)
+    row["evaluate_odd_keras"] = reference.evaluate(
+        x[:63], y[:63], batch_size=10, verbose=0, return_dict=True)
+    row["predict_odd_diff"] = float(np.abs(
+        restored.predict(x[:63], batch_size=10) - reference.predict(x[:63], verbose=0)).max())
     print(json.dumps(row), flush=True)
 
 

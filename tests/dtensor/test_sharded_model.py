@@ -31,7 +31,7 @@ def test_sharded_training_matches_one_device_and_shards_memory(mesh):
     n = {"model2": 2, "model4": 4, "batch2_model2": 2}[mesh]
     assert [(r["model"], r["optimizer"], r["dtype"]) for r in rows] == [
         (model, optimizer, dtype)
-        for model in ("mlp", "transformer", "embedding")
+        for model in ("mlp", "mlp_mixed", "transformer", "embedding")
         for optimizer, dtype in (("sgd", "float32"), ("momentum", "float32"),
                                  ("adam", "float32"), ("adam", "float64"))
     ]
@@ -57,6 +57,8 @@ def test_sharded_training_matches_one_device_and_shards_memory(mesh):
             # up (8x32 + 32) and down (32x16) sharded; down bias and the
             # Dense(1) head (16 + 16 + 1) replicated.
             sharded, replicated = item * (8 * 32 + 32 + 32 * 16), item * 33
+        elif kind == "mlp_mixed":  # the up bias replicated too
+            sharded, replicated = item * (8 * 32 + 32 * 16), item * (32 + 33)
         elif kind == "embedding":
             sharded, replicated = item * 32 * 8, item * (32 + 1)
         else:
@@ -87,6 +89,10 @@ def test_saved_on_one_mesh_resumes_on_another(tmp_path):
     assert row["evaluate"]["loss"] == pytest.approx(row["evaluate_keras"]["loss"], abs=1e-5)
     assert row["evaluate"]["accuracy"] == row["evaluate_keras"]["accuracy"]
     assert row["predict_dataset_diff"] < 1e-5
+    assert row["predict_odd_diff"] < 1e-5
+    assert row["evaluate_odd"]["loss"] == pytest.approx(
+        row["evaluate_odd_keras"]["loss"], abs=1e-5)
+    assert row["evaluate_odd"]["accuracy"] == row["evaluate_odd_keras"]["accuracy"]
     # The file is plain Keras: it loads unsharded anywhere.
     saved = np.load(tmp_path / "after_one_epoch.npz")
     plain = keras.saving.load_model(tmp_path / "model.keras")
