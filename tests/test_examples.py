@@ -68,7 +68,6 @@ def test_tuner_search_with_two_tuner_workers(tmp_path):
 
 def test_model_parallel_trains_sharded_on_four_logical_cpus():
     out = run_example("model_parallel.py", "--smoke")
-    assert "Incompatible Matrix dimensions" not in out
     assert "mesh: batch=2 x model=2 over 4 CPU devices" in out
     first, last = map(float, re.search(r"first loss ([0-9.]+)  last loss ([0-9.]+)", out).groups())
     assert last < first
