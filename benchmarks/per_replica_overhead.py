@@ -1,4 +1,4 @@
-"""Step-time overhead of PerReplicaMetrics against the same fit without it.
+"""Scenario 5: step-time overhead of PerReplicaMetrics against the same fit without it.
 
 Two identical `DistributedModel`s (MLP on scikit-learn's digits, 2 simulated
 replicas of MirroredStrategy on the CPU) train side by side in one process,
@@ -7,35 +7,22 @@ frequency (once per epoch) and one without. Each timed run is one epoch of
 `--steps` steps after a warm-up epoch (tracing excluded). Reports the median
 seconds per step of each and their ratio.
 
-Usage: python benchmarks/per_replica_overhead.py [--steps 60] [--repeats 7]
+Usage: python -m benchmarks.per_replica_overhead [--steps 100] [--repeats 15]
        [--replicas 2] [--width 256] [--batch 128]
 """
 
-import argparse
 import os
-import statistics
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras_dist  # noqa: E402
+from benchmarks import _common  # noqa: E402
 
 
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--gradient-norm", action="store_true")
-    return parser.parse_args()
-
-
-def main():
-    args = parse_args()
+def run(args) -> dict:
     keras_dist.simulate_replicas(args.replicas)
+    if args.quick:
+        args.steps = 10
 
     import keras
     import numpy as np
@@ -75,36 +62,36 @@ def main():
     }
     strategy = next(iter(variants.values()))[0].distribute_strategy
 
-    def run(model, callbacks):
-        start = time.perf_counter()
-        model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False,
-                  verbose=0, callbacks=callbacks)
-        return (time.perf_counter() - start) / args.steps
+    def epoch(model, callbacks):
+        return lambda: _common.timed(lambda: model.fit(
+            x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
+            callbacks=callbacks)) / args.steps
 
-    for model, callbacks in variants.values():  # warm-up: tracing
-        run(model, callbacks)
-    times = {name: [] for name in variants}
-    for _ in range(args.repeats):
-        for name, (model, callbacks) in variants.items():
-            times[name].append(run(model, callbacks))
-
-    base = statistics.median(times["without PerReplicaMetrics"])
-    print(
-        f"# PerReplicaMetrics overhead: {strategy.num_replicas_in_sync} replicas "
-        f"({type(strategy).__name__}), MLP 64-{args.width}-{args.width}-10, "
-        f"Adam, global batch {args.batch}, {args.steps} steps per epoch, "
-        f"median of {args.repeats} interleaved epochs"
-        + (", gradient_norm=True" if args.gradient_norm else "")
-    )
-    print("| variant | ms per step (median) | spread (min-max) | ratio |")
-    print("|---|---|---|---|")
-    for name, values in times.items():
-        median = statistics.median(values)
-        print(
-            f"| {name} | {median * 1e3:.2f} | {min(values) * 1e3:.2f}-"
-            f"{max(values) * 1e3:.2f} | {median / base:.3f} |"
-        )
+    times = _common.interleave({name: epoch(*v) for name, v in variants.items()},
+                               _common.repeats(args, 15))
+    rows = [_common.row(name, values, 1e3) for name, values in times.items()]
+    return {
+        "id": 5, "name": "per_replica_overhead",
+        "title": "PerReplicaMetrics: step-time overhead",
+        "setup": (
+            f"{type(strategy).__name__} over {strategy.num_replicas_in_sync} logical-CPU "
+            f"replicas; MLP 64-{args.width}-{args.width}-10 on digits, Adam, global batch "
+            f"{args.batch}, {args.steps} steps per epoch; two identical models in one "
+            "process, one with the callback at its default update_freq=\"epoch\""
+            + (", gradient_norm=True" if args.gradient_norm else "")
+            + "; interleaved epochs after a warm-up epoch."
+        ),
+        "unit": "ms/step", "rows": rows,
+        "ratios": [{"name": "step time with / without PerReplicaMetrics",
+                    "value": rows[1]["median"] / rows[0]["median"], "goal": "< 1.03"}],
+    }
 
 
 if __name__ == "__main__":
-    main()
+    p = _common.parser(__doc__)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--gradient-norm", action="store_true")
+    _common.main(run, __doc__, p)

@@ -1,4 +1,4 @@
-"""Wall time of the same distributed search with 1 and 2 tuner workers.
+"""Scenario 7: wall time of the same distributed search with 1 and 2 tuner workers.
 
 Runs `keras-dist tune --num-workers N examples/tuner_search.py` for each N
 in `--workers` (default 1 2), interleaved, `--repeats` times, each search in
@@ -6,22 +6,22 @@ a fresh directory with the same seed and trials, and reports the median
 wall time (process start to the chief's exit: TensorFlow start-up included)
 and the speedup against the first N.
 
-Usage: python benchmarks/tuner_walltime.py [--trials 8] [--epochs 8]
-       [--repeats 3] [--workers 1 2]
+Usage: python -m benchmarks.tuner_walltime [--trials 12] [--epochs 30]
+       [--repeats 3]
 """
 
-import argparse
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import _common
+
+ROOT = _common.ROOT
 
 
-def run(num_workers, trials, epochs):
+def search(num_workers, trials, epochs):
     with tempfile.TemporaryDirectory() as directory:
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
         env.pop("TF_CONFIG", None)
@@ -36,43 +36,46 @@ def run(num_workers, trials, epochs):
         )
         seconds = time.perf_counter() - start
     if done.returncode != 0:
-        raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])
+        raise RuntimeError(f"{num_workers}-worker search failed:\n"
+                           + done.stdout[-3000:] + done.stderr[-3000:])
     accuracy = next(
-        (line.rsplit(" ", 1)[-1] for line in done.stdout.splitlines()
-         if "best model: test accuracy" in line),
-        "?",
+        float(line.rsplit(" ", 1)[-1]) for line in done.stdout.splitlines()
+        if "best model: test accuracy" in line
     )
     return seconds, accuracy
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=8)
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    args = parser.parse_args()
-    times = {n: [] for n in args.workers}
+def run(args) -> dict:
+    trials, epochs = (2, 1) if args.quick else (args.trials, args.epochs)
     accuracy = {}
-    for _ in range(args.repeats):
-        for n in args.workers:
-            seconds, accuracy[n] = run(n, args.trials, args.epochs)
-            times[n].append(seconds)
-    base = statistics.median(times[args.workers[0]])
-    print(
-        f"# examples/tuner_search.py: RandomSearch, {args.trials} trials of "
-        f"{args.epochs} epochs (digits MLP), median of {args.repeats} "
-        "interleaved runs"
-    )
-    print("| tuner workers | wall time (median) | spread | speedup | best test accuracy (last run) |")
-    print("|---|---|---|---|---|")
-    for n in args.workers:
-        median = statistics.median(times[n])
-        print(
-            f"| {n} | {median:.1f} s | {min(times[n]):.1f}-{max(times[n]):.1f} s | "
-            f"{base / median:.2f}x | {accuracy[n]} |"
-        )
+
+    def measure(n):
+        def once():
+            seconds, accuracy[n] = search(n, trials, epochs)
+            return seconds
+        return once
+
+    times = _common.interleave({n: measure(n) for n in (1, 2)},
+                               _common.repeats(args, 3, quick=1), warmup=0)
+    rows = [_common.row(f"{n} tuner worker(s)", times[n], best_test_accuracy=accuracy[n])
+            for n in (1, 2)]
+    return {
+        "id": 7, "name": "tuner_walltime",
+        "title": "Distributed tuner: the same search with 1 and 2 tuner workers",
+        "setup": (
+            f"`keras-dist tune --num-workers N examples/tuner_search.py`: RandomSearch, "
+            f"{trials} trials of {epochs} epochs (digits MLP), fresh directory per "
+            "search, wall time from the command's start to the chief's exit "
+            "(TensorFlow start-up of every process included), interleaved."
+        ),
+        "unit": "s wall", "rows": rows,
+        "ratios": [{"name": "speedup, 2 tuner workers over 1",
+                    "value": rows[0]["median"] / rows[1]["median"], "goal": "2.0 (ideal)"}],
+    }
 
 
 if __name__ == "__main__":
-    main()
+    p = _common.parser(__doc__)
+    p.add_argument("--trials", type=int, default=12)
+    p.add_argument("--epochs", type=int, default=30)
+    _common.main(run, __doc__, p)

@@ -366,12 +366,12 @@ class ShardedModel:
         history = {"loss": []}
         rng = np.random.default_rng(seed)
         for epoch in range(epochs):
-            total, count = 0.0, 0
+            losses = []  # read once per epoch: no host sync per step
             for xb, yb in self._batches(x, y, batch_size, shuffle=shuffle, rng=rng):
                 loss = self._train_step(self._inputs(xb), self._inputs(yb))
-                samples = len(tf.nest.flatten(xb)[0])
-                total += float(self._get(loss)) * samples
-                count += samples
+                losses.append((loss, len(tf.nest.flatten(xb)[0])))
+            count = sum(n for _, n in losses)
+            total = sum(float(self._get(loss)) * n for loss, n in losses)
             history["loss"].append(total / max(count, 1))
             if verbose:
                 print(f"Epoch {epoch + 1}/{epochs} - loss: {history['loss'][-1]:.4f}")

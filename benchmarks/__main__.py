@@ -1,0 +1,148 @@
+"""Runs every benchmark scenario against its baseline; writes Markdown and JSON.
+
+Usage: python -m benchmarks [--quick] [--only 1,3] [--repeats N] [--out DIR]
+
+Each scenario runs in its own process (each needs its own TensorFlow start:
+logical CPUs, DTensor, launched workers), interleaving its variants inside
+(A B A B ...); every figure is a median with its spread, and every ratio
+compares against the alternative measured in the same run. `--quick` runs
+each briefly: a smoke test that everything runs and yields numbers, not a
+measurement.
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks import _common
+
+SCENARIOS = {
+    1: "distributed_model_overhead",
+    2: "steps_per_execution",
+    3: "multi_worker_scaling",
+    4: "backup_stall",
+    5: "per_replica_overhead",
+    6: "model_parallel_step",
+    7: "tuner_walltime",
+    8: "mixed_precision",
+}
+
+
+def machine() -> dict:
+    import importlib.metadata as md
+
+    info = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+    }
+    for package in ("tensorflow", "keras", "keras-tuner"):
+        try:
+            info[package] = md.version(package)
+        except md.PackageNotFoundError:
+            info[package] = None
+    probe = subprocess.run(
+        [sys.executable, "-c", "import tensorflow as tf; print(len("
+         "tf.config.list_physical_devices('GPU')))"],
+        capture_output=True, text=True, timeout=120, check=False,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    info["gpus"] = int(probe.stdout.strip() or 0) if probe.returncode == 0 else None
+    return info
+
+
+def summary(results: list[dict], info: dict, quick: bool) -> str:
+    lines = [
+        "# keras_dist benchmarks" + (" (--quick: smoke run, not a measurement)" if quick
+                                     else ""),
+        "",
+        f"{info['date']}; {info['cores']} cores ({info['processor']}), GPUs: "
+        f"{info['gpus']}; Python {info['python']}, TensorFlow {info['tensorflow']}, "
+        f"Keras {info['keras']}, keras-tuner {info['keras-tuner']}.",
+        "",
+        "| # | scenario | key ratio | value | goal |",
+        "|---|---|---|---|---|",
+    ]
+    for result in results:
+        if "error" in result:
+            lines.append(f"| {result['id']} | {result['name']} | failed | - | - |")
+            continue
+        ratio = result["ratios"][0]
+        lines.append(f"| {result['id']} | {result['title']} | {ratio['name']} | "
+                     f"{ratio['value']:.3f} | {ratio.get('goal', '-')} |")
+    lines.append("")
+    for result in results:
+        if "error" in result:
+            lines += [f"### {result['id']}. {result['name']}: failed", "", "```",
+                      result["error"][-1500:], "```", ""]
+        else:
+            lines.append(_common.markdown(result))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="every scenario briefly (CI smoke test)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated scenario numbers, e.g. 1,3")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed rounds per variant (default: each scenario's)")
+    parser.add_argument("--out", default=os.path.join(_common.ROOT, "benchmarks", "results"),
+                        help="directory for results.md and results.json")
+    args = parser.parse_args(argv)
+    chosen = list(SCENARIOS)
+    if args.only:
+        try:
+            chosen = [int(n) for n in args.only.split(",")]
+        except ValueError:
+            chosen = None
+        if not chosen or any(n not in SCENARIOS for n in chosen):
+            parser.error(f"--only takes scenario numbers among {sorted(SCENARIOS)}, "
+                         f"comma-separated. Received: --only {args.only}")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be a positive integer. Received: {args.repeats}")
+    os.makedirs(args.out, exist_ok=True)
+    info = machine()
+    results = []
+    for number in chosen:
+        name = SCENARIOS[number]
+        print(f"[{number}/{len(SCENARIOS)}] {name} ...", flush=True)
+        with tempfile.TemporaryDirectory() as scratch:
+            path = os.path.join(scratch, "result.json")
+            command = [sys.executable, "-m", f"benchmarks.{name}", "--json", path]
+            command += ["--quick"] if args.quick else []
+            command += ["--repeats", str(args.repeats)] if args.repeats else []
+            start = time.perf_counter()
+            done = subprocess.run(command, capture_output=True, text=True, check=False,
+                                  cwd=_common.ROOT,
+                                  env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+            seconds = time.perf_counter() - start
+            if done.returncode == 0 and os.path.exists(path):
+                with open(path) as f:
+                    result = json.load(f)
+            else:
+                result = {"id": number, "name": name,
+                          "error": done.stdout[-2000:] + done.stderr[-3000:]}
+        result["seconds"] = round(seconds, 1)
+        results.append(result)
+        print(f"      {'failed' if 'error' in result else 'done'} in {seconds:.0f} s",
+              flush=True)
+    report = summary(results, info, args.quick)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(report)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"machine": info, "quick": args.quick, "scenarios": results}, f, indent=1)
+    print(report)
+    print(f"Wrote {os.path.join(args.out, 'results.md')} and results.json")
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
