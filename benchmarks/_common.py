@@ -75,6 +75,15 @@ def row(variant: str, values: list[float], scale: float = 1.0, **extra) -> dict:
             "min": min(scaled), "max": max(scaled), "samples": len(scaled), **extra}
 
 
+def paired_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """Median over rounds of numerator / denominator, each pair measured back to back.
+
+    On a shared machine whose speed drifts between rounds, the ratio within
+    a round is steadier than the ratio of the medians.
+    """
+    return statistics.median(a / b for a, b in zip(numerators, denominators, strict=True))
+
+
 def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()

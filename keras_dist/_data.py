@@ -96,6 +96,23 @@ def static_batch_size(x) -> int | None:
     return int(shape[0]) if shape.rank and shape[0] is not None else None
 
 
+def batches_split_evenly(
+    replicas: int, global_batch: int | None, num_samples: int | None
+) -> bool:
+    """True when every batch, the last included, splits evenly over the replicas.
+
+    Provable for arrays (known sample count and batch) and for datasets with
+    a fixed batch size; anything else may end with an uneven batch.
+    """
+    if replicas == 1:
+        return True
+    if not global_batch or global_batch % replicas:
+        return False
+    if num_samples is None:
+        return True  # a dataset whose every batch has this fixed size
+    return (num_samples % global_batch) % replicas == 0
+
+
 def _check_dataset_batch(x, replicas: int) -> None:
     if not isinstance(x, tf.data.Dataset) or replicas == 1:
         return

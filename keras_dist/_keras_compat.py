@@ -205,7 +205,12 @@ def train_step(model, data):
     factor = None
     strategy = tf.distribute.get_strategy()
     context = tf.distribute.get_replica_context()
-    if strategy.num_replicas_in_sync > 1 and context is not None:
+    # Skipped (no collective) when the run's batches all split evenly.
+    if (
+        strategy.num_replicas_in_sync > 1
+        and context is not None
+        and not getattr(model, "_kd_even_batches", False)
+    ):
         local = tf.cast(
             tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0],
             tf.float32,

