@@ -1,7 +1,8 @@
 """keras_dist: train any Keras 3 model on many devices and machines.
 
 The core: `DistributedModel` (and `distribute` for an existing model),
-`resolve_strategy`, `simulate_replicas` and `describe`; `launch` starts and
+`resolve_strategy`, `simulate_replicas` and `describe`; `average_loss`
+for custom training loops; `launch` starts and
 supervises the workers of a multi-worker job (also `keras-dist launch`),
 `launch_search` those of a distributed keras-tuner search (`keras-dist
 tune`, with `keras_dist.tuner`).
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "DistributedModel": "keras_dist.distributed_model",
+    "average_loss": "keras_dist.custom_loop",
     "describe": "keras_dist.strategy",
     "distribute": "keras_dist.distributed_model",
     "launch": "keras_dist.launcher",
@@ -29,6 +31,7 @@ _EXPORTS = {
 
 __all__ = [
     "DistributedModel",
+    "average_loss",
     "describe",
     "distribute",
     "launch",

@@ -65,13 +65,13 @@ class DistributedModel(keras.Model):
 
     Example:
 
-    >>> import keras, keras_dist
-    >>> inputs = keras.Input((4,))
-    >>> outputs = keras.layers.Dense(1)(inputs)
-    >>> model = keras_dist.DistributedModel(inputs, outputs, strategy="default")
-    >>> model.compile(optimizer="sgd", loss="mse")
-    >>> model.distribute_strategy.num_replicas_in_sync
-    1
+        >>> import keras, keras_dist
+        >>> inputs = keras.Input((4,))
+        >>> outputs = keras.layers.Dense(1)(inputs)
+        >>> model = keras_dist.DistributedModel(inputs, outputs, strategy="default")
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> model.distribute_strategy.num_replicas_in_sync
+        1
 
     Raises:
         TypeError / ValueError: for an invalid `strategy` or
@@ -682,11 +682,11 @@ def distribute(
 
     Example:
 
-    >>> import keras, keras_dist
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    >>> dist = keras_dist.distribute(model, strategy="default")
-    >>> [w.shape for w in dist.get_weights()]
-    [(3, 2), (2,)]
+        >>> import keras, keras_dist
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        >>> dist = keras_dist.distribute(model, strategy="default")
+        >>> [w.shape for w in dist.get_weights()]
+        [(3, 2), (2,)]
 
     Raises:
         TypeError: if `model` is not a `keras.Model`.

@@ -242,9 +242,9 @@ def launch(
 
     Example:
 
-    >>> import keras_dist
-    >>> keras_dist.launch("train.py", ["--epochs", "3"], num_workers=2)  # doctest: +SKIP
-    0
+        >>> import keras_dist
+        >>> keras_dist.launch("train.py", ["--epochs", "3"], num_workers=2)  # doctest: +SKIP
+        0
 
     Raises:
         ValueError / TypeError: before anything starts, for a missing

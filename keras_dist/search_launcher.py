@@ -72,9 +72,9 @@ def launch_search(
 
     Example:
 
-    >>> import keras_dist
-    >>> keras_dist.launch_search("search.py", num_workers=2)  # doctest: +SKIP
-    0
+        >>> import keras_dist
+        >>> keras_dist.launch_search("search.py", num_workers=2)  # doctest: +SKIP
+        0
 
     Raises:
         ValueError: before anything starts, for a missing script, a bad

@@ -52,9 +52,9 @@ def simulate_replicas(num_replicas: int) -> int:
 
     Example:
 
-    >>> import keras_dist
-    >>> keras_dist.simulate_replicas(2)  # doctest: +SKIP
-    2
+        >>> import keras_dist
+        >>> keras_dist.simulate_replicas(2)  # doctest: +SKIP
+        2
 
     Raises:
         TypeError: if `num_replicas` is not an integer.
@@ -115,10 +115,10 @@ def resolve_strategy(spec: StrategySpec = "auto") -> tf.distribute.Strategy:
 
     Example:
 
-    >>> import keras_dist
-    >>> strategy = keras_dist.resolve_strategy("default")
-    >>> strategy.num_replicas_in_sync
-    1
+        >>> import keras_dist
+        >>> strategy = keras_dist.resolve_strategy("default")
+        >>> strategy.num_replicas_in_sync
+        1
 
     Raises:
         TypeError: if `spec` is neither a string nor a strategy.
@@ -319,9 +319,9 @@ def describe(strategy: StrategySpec | None = None) -> str:
 
     Example:
 
-    >>> import keras_dist
-    >>> keras_dist.describe("default")  # doctest: +ELLIPSIS
-    'DefaultStrategy: 1 replica, 1 worker (rank 0, chief), devices ...'
+        >>> import keras_dist
+        >>> keras_dist.describe("default")  # doctest: +ELLIPSIS
+        'DefaultStrategy: 1 replica, 1 worker (rank 0, chief), devices ...'
     """
     strategy = tf.distribute.get_strategy() if strategy is None else resolve_strategy(strategy)
     info = worker_info(strategy)

@@ -12,6 +12,7 @@ def signature(obj) -> str:
 def test_top_level_names():
     assert keras_dist.__all__ == [
         "DistributedModel",
+        "average_loss",
         "describe",
         "distribute",
         "launch",
@@ -26,6 +27,9 @@ def test_top_level_names():
 def test_signatures():
     assert signature(keras_dist.resolve_strategy) == "(spec: 'StrategySpec' = 'auto') -> 'tf.distribute.Strategy'"
     assert signature(keras_dist.simulate_replicas) == "(num_replicas: 'int') -> 'int'"
+    assert signature(keras_dist.average_loss) == (
+        "(per_example_loss, sample_weight=None, *, model: 'keras.Model | None' = None)"
+    )
     assert signature(keras_dist.describe) == "(strategy: 'StrategySpec | None' = None) -> 'str'"
     assert signature(keras_dist.distribute) == (
         "(model: 'keras.Model', strategy: 'StrategySpec' = 'auto', *, "
@@ -86,7 +90,11 @@ def test_callbacks_names_and_parity():
         "BackupAndRestore",
         "LearningRateScaler",
         "PerReplicaMetrics",
+        "ResourceMonitor",
     ]
+    assert str(inspect.signature(callbacks.ResourceMonitor.__init__)) == (
+        "(self, update_freq: \"Literal['epoch'] | int\" = 'epoch', *, verbose: 'int' = 0)"
+    )
     ours = inspect.signature(callbacks.BackupAndRestore.__init__)
     assert str(ours) == (
         "(self, backup_dir: 'str | os.PathLike', "

@@ -91,20 +91,20 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     Example:
 
-    >>> import tempfile
-    >>> import numpy as np
-    >>> import keras
-    >>> import keras_dist
-    >>> from keras_dist.callbacks import BackupAndRestore
-    >>> model = keras_dist.distribute(
-    ...     keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
-    ...     strategy="default")
-    >>> model.compile("sgd", "mse")
-    >>> backup = BackupAndRestore(tempfile.mkdtemp(), save_freq=2)
-    >>> history = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=2,
-    ...                     epochs=2, callbacks=[backup], verbose=0)
-    >>> len(history.history["loss"])
-    2
+        >>> import tempfile
+        >>> import numpy as np
+        >>> import keras
+        >>> import keras_dist
+        >>> from keras_dist.callbacks import BackupAndRestore
+        >>> model = keras_dist.distribute(
+        ...     keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+        ...     strategy="default")
+        >>> model.compile("sgd", "mse")
+        >>> backup = BackupAndRestore(tempfile.mkdtemp(), save_freq=2)
+        >>> history = model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=2,
+        ...                     epochs=2, callbacks=[backup], verbose=0)
+        >>> len(history.history["loss"])
+        2
 
     Raises:
         ValueError: for an invalid argument value (in the constructor); for

@@ -55,11 +55,11 @@ def scale_learning_rate(
 
     Example:
 
-    >>> import keras_dist
-    >>> keras_dist.scale_learning_rate(0.1, 4)
-    0.4
-    >>> keras_dist.scale_learning_rate(0.1, 4, rule="sqrt")
-    0.2
+        >>> import keras_dist
+        >>> keras_dist.scale_learning_rate(0.1, 4)
+        0.4
+        >>> keras_dist.scale_learning_rate(0.1, 4, rule="sqrt")
+        0.2
 
     Raises:
         TypeError: `learning_rate` is not a float, or `scale` is neither a
@@ -221,17 +221,17 @@ class LearningRateScaler(keras.callbacks.Callback):
 
     Example:
 
-    >>> import keras, keras_dist, numpy as np
-    >>> inputs = keras.Input((3,))
-    >>> model = keras_dist.DistributedModel(
-    ...     inputs, keras.layers.Dense(1)(inputs), strategy="default")
-    >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    >>> scaler = keras_dist.callbacks.LearningRateScaler(
-    ...     base_batch_size=8, warmup_steps=2)
-    >>> history = model.fit(np.ones((64, 3)), np.ones((64, 1)), batch_size=32,
-    ...                     epochs=1, callbacks=[scaler], verbose=0)
-    >>> round(history.history["learning_rate"][0], 6)  # 0.1 x 32 / 8
-    0.4
+        >>> import keras, keras_dist, numpy as np
+        >>> inputs = keras.Input((3,))
+        >>> model = keras_dist.DistributedModel(
+        ...     inputs, keras.layers.Dense(1)(inputs), strategy="default")
+        >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        >>> scaler = keras_dist.callbacks.LearningRateScaler(
+        ...     base_batch_size=8, warmup_steps=2)
+        >>> history = model.fit(np.ones((64, 3)), np.ones((64, 1)), batch_size=32,
+        ...                     epochs=1, callbacks=[scaler], verbose=0)
+        >>> round(history.history["learning_rate"][0], 6)  # 0.1 x 32 / 8
+        0.4
 
     Raises:
         ValueError / TypeError: for invalid arguments (here); at the start of

@@ -237,16 +237,16 @@ class PerReplicaMetrics(keras.callbacks.Callback):
 
     Example:
 
-    >>> import keras, keras_dist, numpy as np
-    >>> inputs = keras.Input((3,))
-    >>> model = keras_dist.DistributedModel(
-    ...     inputs, keras.layers.Dense(1)(inputs), strategy="default")
-    >>> model.compile(optimizer="sgd", loss="mse")
-    >>> history = model.fit(
-    ...     np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0,
-    ...     callbacks=[keras_dist.callbacks.PerReplicaMetrics()])
-    >>> history.history["samples/replica_0"]
-    [8.0]
+        >>> import keras, keras_dist, numpy as np
+        >>> inputs = keras.Input((3,))
+        >>> model = keras_dist.DistributedModel(
+        ...     inputs, keras.layers.Dense(1)(inputs), strategy="default")
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> history = model.fit(
+        ...     np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0,
+        ...     callbacks=[keras_dist.callbacks.PerReplicaMetrics()])
+        >>> history.history["samples/replica_0"]
+        [8.0]
 
     Raises:
         ValueError / TypeError: for invalid arguments (here); at the start of

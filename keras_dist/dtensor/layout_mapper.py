@@ -58,13 +58,13 @@ class LayoutMapper:
 
     Example:
 
-    >>> import keras, keras_dist.dtensor
-    >>> mesh = keras_dist.dtensor.make_mesh({"model": 1}, ["cpu:0"])
-    >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
-    ...                           keras.layers.Dense(8)])
-    >>> layout_map = keras_dist.dtensor.LayoutMapper(mesh, min_elements=0).layout_map(model)
-    >>> layout_map[model.layers[0].kernel.path].axes
-    (None, 'model')
+        >>> import keras, keras_dist.dtensor
+        >>> mesh = keras_dist.dtensor.make_mesh({"model": 1}, ["cpu:0"])
+        >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+        ...                           keras.layers.Dense(8)])
+        >>> layout_map = keras_dist.dtensor.LayoutMapper(mesh, min_elements=0).layout_map(model)
+        >>> layout_map[model.layers[0].kernel.path].axes
+        (None, 'model')
 
     Raises:
         TypeError: `mesh` is not a `keras.distribution.DeviceMesh`, or

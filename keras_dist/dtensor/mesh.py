@@ -30,9 +30,9 @@ def initialize(num_devices: int | None = None, device_type: str = "CPU") -> int:
 
     Example:
 
-    >>> import keras_dist.dtensor
-    >>> keras_dist.dtensor.initialize(4)  # doctest: +SKIP
-    4
+        >>> import keras_dist.dtensor
+        >>> keras_dist.dtensor.initialize(4)  # doctest: +SKIP
+        4
 
     Raises:
         ValueError: unknown `device_type`, or `num_devices` with a device
@@ -94,10 +94,10 @@ def make_mesh(
 
     Example:
 
-    >>> import keras_dist.dtensor
-    >>> mesh = keras_dist.dtensor.make_mesh({"batch": 1, "model": 1}, ["cpu:0"])
-    >>> mesh.axis_names, mesh.shape
-    (['batch', 'model'], (1, 1))
+        >>> import keras_dist.dtensor
+        >>> mesh = keras_dist.dtensor.make_mesh({"batch": 1, "model": 1}, ["cpu:0"])
+        >>> mesh.axis_names, mesh.shape
+        (['batch', 'model'], (1, 1))
 
     Raises:
         TypeError: `shape` is not a mapping.

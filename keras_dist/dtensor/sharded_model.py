@@ -40,12 +40,12 @@ def shard(
 
     Example:
 
-    ```python
-    keras_dist.dtensor.initialize(4)          # first thing in the program
-    mesh = keras_dist.dtensor.make_mesh({"batch": 2, "model": 2})
-    sharded = keras_dist.dtensor.shard(model, mesh)
-    sharded.fit(x, y, batch_size=32, epochs=3)
-    ```
+        ```python
+        keras_dist.dtensor.initialize(4)          # first thing in the program
+        mesh = keras_dist.dtensor.make_mesh({"batch": 2, "model": 2})
+        sharded = keras_dist.dtensor.shard(model, mesh)
+        sharded.fit(x, y, batch_size=32, epochs=3)
+        ```
 
     Raises:
         ValueError: the model is not built or not compiled.

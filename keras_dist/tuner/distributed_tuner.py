@@ -76,14 +76,14 @@ class DistributedTuner:
 
     Example:
 
-    ```python
-    class MySearch(keras_dist.tuner.DistributedTuner, keras_tuner.Hyperband):
-        pass
+        ```python
+        class MySearch(keras_dist.tuner.DistributedTuner, keras_tuner.Hyperband):
+            pass
 
-    tuner = MySearch(build_model, objective="val_accuracy", max_epochs=10,
-                     strategy="mirrored")
-    tuner.search(x, y, validation_split=0.2)
-    ```
+        tuner = MySearch(build_model, objective="val_accuracy", max_epochs=10,
+                         strategy="mirrored")
+        tuner.search(x, y, validation_split=0.2)
+        ```
 
     Raises:
         ValueError: `distribution_strategy` is given (use `strategy`), or a

@@ -15,26 +15,26 @@ class RandomSearch(DistributedTuner, keras_tuner.RandomSearch):
 
     Example:
 
-    ```python
-    def build_model(hp):
-        model = keras.Sequential([
-            keras.Input((64,)),
-            keras.layers.Dense(hp.Choice("units", [32, 64]), activation="relu"),
-            keras.layers.Dense(10),
-        ])
-        model.compile(keras.optimizers.Adam(hp.Float("lr", 1e-3, 1e-2)),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-        return model
+        ```python
+        def build_model(hp):
+            model = keras.Sequential([
+                keras.Input((64,)),
+                keras.layers.Dense(hp.Choice("units", [32, 64]), activation="relu"),
+                keras.layers.Dense(10),
+            ])
+            model.compile(keras.optimizers.Adam(hp.Float("lr", 1e-3, 1e-2)),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"])
+            return model
 
-    tuner = keras_dist.tuner.RandomSearch(
-        build_model, objective="val_accuracy", max_trials=6,
-        directory="search", project_name="digits")
-    tuner.search(x, y, epochs=3, validation_split=0.2)
-    ```
+        tuner = keras_dist.tuner.RandomSearch(
+            build_model, objective="val_accuracy", max_trials=6,
+            directory="search", project_name="digits")
+        tuner.search(x, y, epochs=3, validation_split=0.2)
+        ```
 
-    Run it as is on one machine, or with `keras-dist tune --num-workers 2
-    script.py` to share the trials among 2 tuner workers.
+        Run it as is on one machine, or with `keras-dist tune --num-workers 2
+        script.py` to share the trials among 2 tuner workers.
     """
 
 
@@ -43,10 +43,10 @@ class BayesianOptimization(DistributedTuner, keras_tuner.BayesianOptimization):
 
     Example:
 
-    ```python
-    tuner = keras_dist.tuner.BayesianOptimization(
-        build_model, objective="val_loss", max_trials=10, strategy="mirrored")
-    ```
+        ```python
+        tuner = keras_dist.tuner.BayesianOptimization(
+            build_model, objective="val_loss", max_trials=10, strategy="mirrored")
+        ```
     """
 
 
@@ -55,10 +55,10 @@ class Hyperband(DistributedTuner, keras_tuner.Hyperband):
 
     Example:
 
-    ```python
-    tuner = keras_dist.tuner.Hyperband(
-        build_model, objective="val_accuracy", max_epochs=9)
-    ```
+        ```python
+        tuner = keras_dist.tuner.Hyperband(
+            build_model, objective="val_accuracy", max_epochs=9)
+        ```
     """
 
 
@@ -67,8 +67,8 @@ class GridSearch(DistributedTuner, keras_tuner.GridSearch):
 
     Example:
 
-    ```python
-    tuner = keras_dist.tuner.GridSearch(
-        build_model, objective="val_accuracy", max_trials=4)
-    ```
+        ```python
+        tuner = keras_dist.tuner.GridSearch(
+            build_model, objective="val_accuracy", max_trials=4)
+        ```
     """
