@@ -45,7 +45,7 @@ def main(run: Callable[[argparse.Namespace], dict], doc: str,
     return result
 
 
-def repeats(args, full: int, quick: int = 2) -> int:
+def repeats(args, full: int, quick: int = 1) -> int:
     if args.repeats is not None:
         return args.repeats
     return quick if args.quick else full
