@@ -1,23 +1,25 @@
 """Runs every benchmark scenario against its baseline; writes Markdown and JSON.
 
-Usage: python -m benchmarks [--quick] [--only 1,3] [--repeats N] [--out DIR]
+Usage: python -m benchmarks [--quick] [--only 1,3] [--repeats N] [--jobs N] [--out DIR]
 
 Each scenario runs in its own process (each needs its own TensorFlow start:
 logical CPUs, DTensor, launched workers), interleaving its variants inside
 (A B A B ...); every figure is a median with its spread, and every ratio
 compares against the alternative measured in the same run. `--quick` runs
 each briefly: a smoke test that everything runs and yields numbers, not a
-measurement.
+measurement (its scenarios run two at a time).
 """
 
 import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks import _common
 
@@ -48,12 +50,14 @@ def machine() -> dict:
             info[package] = md.version(package)
         except md.PackageNotFoundError:
             info[package] = None
-    probe = subprocess.run(
-        [sys.executable, "-c", "import tensorflow as tf; print(len("
-         "tf.config.list_physical_devices('GPU')))"],
-        capture_output=True, text=True, timeout=120, check=False,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    info["gpus"] = int(probe.stdout.strip() or 0) if probe.returncode == 0 else None
+    # GPUs, without starting TensorFlow: what the NVIDIA driver lists.
+    smi = shutil.which("nvidia-smi")
+    gpus = 0
+    if smi:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30,
+                                check=False)
+        gpus = sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
+    info["gpus"] = gpus
     return info
 
 
@@ -94,6 +98,8 @@ def main(argv=None) -> int:
                         help="comma-separated scenario numbers, e.g. 1,3")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed rounds per variant (default: each scenario's)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="scenarios run side by side (default: 2 with --quick, else 1)")
     parser.add_argument("--out", default=os.path.join(_common.ROOT, "benchmarks", "results"),
                         help="directory for results.md and results.json")
     args = parser.parse_args(argv)
@@ -108,12 +114,17 @@ def main(argv=None) -> int:
                          f"comma-separated. Received: --only {args.only}")
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be a positive integer. Received: {args.repeats}")
+    jobs = args.jobs if args.jobs is not None else (2 if args.quick else 1)
+    if jobs < 1:
+        parser.error(f"--jobs must be a positive integer. Received: {args.jobs}")
+    if jobs > 1 and not args.quick:
+        print(f"Note: --jobs {jobs} runs scenarios side by side; their timings disturb "
+              "each other. Use it for smoke runs, not for the table.", flush=True)
     os.makedirs(args.out, exist_ok=True)
     info = machine()
-    results = []
-    for number in chosen:
+
+    def scenario(number: int) -> dict:
         name = SCENARIOS[number]
-        print(f"[{number}/{len(SCENARIOS)}] {name} ...", flush=True)
         with tempfile.TemporaryDirectory() as scratch:
             path = os.path.join(scratch, "result.json")
             command = [sys.executable, "-m", f"benchmarks.{name}", "--json", path]
@@ -131,9 +142,12 @@ def main(argv=None) -> int:
                 result = {"id": number, "name": name,
                           "error": done.stdout[-2000:] + done.stderr[-3000:]}
         result["seconds"] = round(seconds, 1)
-        results.append(result)
-        print(f"      {'failed' if 'error' in result else 'done'} in {seconds:.0f} s",
-              flush=True)
+        print(f"[{number}/{len(SCENARIOS)}] {name}: "
+              f"{'failed' if 'error' in result else 'done'} in {seconds:.0f} s", flush=True)
+        return result
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(scenario, chosen))
     report = summary(results, info, args.quick)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(report)

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -82,6 +83,18 @@ def paired_ratio(numerators: list[float], denominators: list[float]) -> float:
     a round is steadier than the ratio of the medians.
     """
     return statistics.median(a / b for a, b in zip(numerators, denominators, strict=True))
+
+
+def result_of(command: list[str], what: str) -> dict:
+    """Runs a benchmark process on the CPU and returns its `RESULT {json}` line."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, check=False)
+    lines = [line for line in done.stdout.splitlines() if "RESULT " in line]
+    if done.returncode or not lines:
+        raise RuntimeError(f"{what} failed ({done.returncode}):\n"
+                           + done.stdout[-2000:] + done.stderr[-2000:])
+    return json.loads(lines[0].split("RESULT ", 1)[1])
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -9,9 +9,7 @@ map). Reports ms per step after a warm-up epoch and the bytes each device
 holds, measured from the live variables.
 """
 
-import json
 import os
-import subprocess
 import sys
 
 from benchmarks import _common  # noqa: E402
@@ -26,16 +24,8 @@ VARIANTS = {
 
 
 def job(variant: str, steps: int, epochs: int) -> dict:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3")
-    done = subprocess.run(
-        [sys.executable, WORKER, "--variant", variant, "--steps", str(steps),
-         "--epochs", str(epochs)],
-        env=env, capture_output=True, text=True, timeout=600, cwd=_common.ROOT, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode or not lines:
-        raise RuntimeError(f"variant {variant} failed ({done.returncode}):\n"
-                           + done.stdout[-2000:] + done.stderr[-2000:])
-    return json.loads(lines[0][len("RESULT "):])
+    return _common.result_of([sys.executable, WORKER, "--variant", variant, "--steps",
+                              str(steps), "--epochs", str(epochs)], f"variant {variant}")
 
 
 def run(args) -> dict:

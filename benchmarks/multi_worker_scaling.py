@@ -9,9 +9,7 @@ every core's threads is shown for reference. Jobs alternate; each reports
 global samples/s over timed epochs after a warm-up epoch (start-up excluded).
 """
 
-import json
 import os
-import subprocess
 import sys
 
 from benchmarks import _common  # noqa: E402
@@ -28,14 +26,7 @@ def job(num_workers: int, threads: int, pin: bool, steps: int, epochs: int,
     else:
         command = [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers",
                    str(num_workers), *script]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3")
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600,
-                          cwd=_common.ROOT, check=False)
-    lines = [line for line in done.stdout.splitlines() if "RESULT " in line]
-    if done.returncode or not lines:
-        raise RuntimeError(f"{num_workers}-worker job failed ({done.returncode}):\n"
-                           + done.stdout[-2000:] + done.stderr[-2000:])
-    return json.loads(lines[0].split("RESULT ", 1)[1])
+    return _common.result_of(command, f"{num_workers}-worker job")
 
 
 def run(args) -> dict:

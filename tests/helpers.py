@@ -41,3 +41,31 @@ def optimizer(name: str) -> keras.optimizers.Optimizer:
 def max_abs_diff(a, b) -> float:
     assert len(a) == len(b)
     return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
+
+
+def run_concurrently(commands: dict, jobs: int = 2, timeout: float = 600) -> dict:
+    """Runs subprocesses `jobs` at a time: {name: argv or [argv, ...]} -> {name: result}.
+
+    For smoke runs whose outcome, not speed, is checked: two at a time use
+    both cores of a 2-core runner while each process starts TensorFlow. A
+    list of argvs runs in order (later steps depend on earlier ones); the
+    result is the last step's, or the first that failed.
+    """
+    import os
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+
+    def run(steps):
+        steps = steps if isinstance(steps[0], list) else [steps]
+        for argv in steps:
+            done = subprocess.run(argv, env=env, capture_output=True, text=True,
+                                  timeout=timeout, check=False)
+            if done.returncode:
+                break
+        return done
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {name: pool.submit(run, argv) for name, argv in commands.items()}
+        return {name: future.result() for name, future in futures.items()}

@@ -51,6 +51,7 @@ def test_quick_run_produces_every_scenario(tmp_path):
     (["--only", "9"], "--only takes scenario numbers among [1, 2, 3, 4, 5, 6, 7, 8]"),
     (["--only", "a,b"], "Received: --only a,b"),
     (["--repeats", "0"], "--repeats must be a positive integer. Received: 0"),
+    (["--jobs", "0"], "--jobs must be a positive integer. Received: 0"),
 ])
 def test_bad_arguments_are_refused_before_running(args, message, tmp_path):
     done = harness(*args, "--out", str(tmp_path / "out"), timeout=120)

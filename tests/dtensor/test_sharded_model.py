@@ -7,27 +7,40 @@ a 2-device mesh hung on a 4-device one.
 
 import json
 import os
-import subprocess
+import pathlib
 import sys
 
 import keras
 import numpy as np
 import pytest
+from helpers import run_concurrently
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "golden_main.py")
 
 
-def run(*args):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, SCRIPT, *args], env=env,
-                          capture_output=True, text=True, timeout=300)
+def rows_of(done):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every golden process, two at a time (outcomes are checked, not speed)."""
+    saved = str(tmp_path_factory.mktemp("saved"))
+    errors = str(tmp_path_factory.mktemp("errors"))
+    commands = {mesh: [sys.executable, SCRIPT, "golden", mesh]
+                for mesh in ("model2", "model4", "batch2_model2")}
+    # Saved on batch=2 x model=2, then loaded onto model=4 (in order).
+    commands["save_load"] = [[sys.executable, SCRIPT, "save", "batch2_model2", saved],
+                             [sys.executable, SCRIPT, "load", "model4", saved]]
+    commands["errors"] = [sys.executable, SCRIPT, "errors", "batch2_model2", errors]
+    done = run_concurrently(commands)
+    return done, saved, errors
+
+
 @pytest.mark.parametrize("mesh", ["model2", "model4", "batch2_model2"])
-def test_sharded_training_matches_one_device_and_shards_memory(mesh):
-    rows = run("golden", mesh)
+def test_sharded_training_matches_one_device_and_shards_memory(runs, mesh):
+    rows = rows_of(runs[0][mesh])
     n = {"model2": 2, "model4": 4, "batch2_model2": 2}[mesh]
     assert [(r["model"], r["optimizer"], r["dtype"]) for r in rows] == [
         (model, optimizer, dtype)
@@ -75,12 +88,13 @@ def test_sharded_training_matches_one_device_and_shards_memory(mesh):
                 row["bytes_replicated_optimizer"] - 2 * row["bytes_replicated_variables"])
 
 
-def test_saved_on_one_mesh_resumes_on_another(tmp_path):
+def test_saved_on_one_mesh_resumes_on_another(runs):
     # Epoch 1 on batch=2 x model=2 from a tf.data input, saved; epoch 2 on
     # model=4 after loading (weights and Adam state re-sharded) = 2 epochs on
     # one device.
-    run("save", "batch2_model2", str(tmp_path))
-    [row] = run("load", "model4", str(tmp_path))
+    done, saved, _ = runs
+    [row] = rows_of(done["save_load"])
+    tmp_path = pathlib.Path(saved)
     assert row["saved_vs_one_device"] < 1e-5
     assert row["loaded_vs_saved"] == 0.0
     assert row["load_weights_vs_saved"] == 0.0
@@ -102,8 +116,10 @@ def test_saved_on_one_mesh_resumes_on_another(tmp_path):
     assert plain.optimizer.iterations.numpy() == 4  # 64 samples, batch 16
 
 
-def test_bad_arguments_are_named_before_any_step(tmp_path):
-    [messages] = run("errors", "batch2_model2", str(tmp_path))
+def test_bad_arguments_are_named_before_any_step(runs):
+    done, _, errors = runs
+    [messages] = rows_of(done["errors"])
+    tmp_path = errors
     expected = {
         "batch_size_not_divisible": "ValueError: fit(): argument `batch_size` must be "
         "divisible by the mesh axis 'batch' of size 2. Received: batch_size=15",
