@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import shutil
@@ -137,10 +138,9 @@ def _accelerators(strategy) -> list[str]:
 
 
 def _reset_peak(device: str) -> None:
-    try:
+    # Where a device cannot reset it, its peak counts from the start.
+    with contextlib.suppress(ValueError, tf.errors.OpError):
         tf.config.experimental.reset_memory_stats(device)
-    except (ValueError, tf.errors.OpError):
-        pass  # not supported on this device: the peak is since the start
 
 
 def _gpu_utilization(devices: list[str]) -> dict[str, float]:

@@ -198,7 +198,7 @@ class ShardedModel:
 
     # -- input -------------------------------------------------------------
 
-    def _batch_size_of_axis(self) -> int:
+    def _batch_split(self) -> int:
         return dict(zip(self.mesh.axis_names, self.mesh.shape)).get(BATCH_AXIS, 1)
 
     def _put_batch(self, array):
@@ -212,7 +212,7 @@ class ShardedModel:
         """Numpy arrays (or a nest of them) -> DTensors split over "batch"."""
         leaves = tf.nest.flatten(structure)
         count = len(leaves[0])
-        split = self._batch_size_of_axis()
+        split = self._batch_split()
         if count % split:
             raise ValueError(
                 f"A batch of {count} samples cannot be split over the mesh axis "
@@ -249,7 +249,7 @@ class ShardedModel:
             yield xb, yb
 
     def _check_data(self, method, x, y, batch_size, needs_y):
-        split = self._batch_size_of_axis()
+        split = self._batch_split()
         if isinstance(x, tf.data.Dataset):
             if y is not None:
                 raise ValueError(
@@ -381,7 +381,7 @@ class ShardedModel:
         if self._predict_step is None:
             model = self.model
             self._predict_step = tf.function(lambda batch: model(batch, training=False))
-        split = self._batch_size_of_axis()
+        split = self._batch_split()
         for xb, yb in self._batches(x, y, batch_size, with_y=with_y):
             count = len(tf.nest.flatten(xb)[0])
             # A short last batch is padded (repeating its last sample) to
