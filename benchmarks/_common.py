@@ -97,6 +97,12 @@ def result_of(command: list[str], what: str) -> dict:
     return json.loads(lines[0].split("RESULT ", 1)[1])
 
 
+def epoch_timer(model, x, y, batch: int, steps: int, **fit_kwargs) -> Callable[[], float]:
+    """A variant for `interleave`: one `fit` epoch, in seconds per step."""
+    return lambda: timed(lambda: model.fit(x, y, batch_size=batch, epochs=1, verbose=0,
+                                           **fit_kwargs)) / steps
+
+
 def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()

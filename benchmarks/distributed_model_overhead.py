@@ -31,12 +31,9 @@ def run(args) -> dict:
         ours = _common.compile_model(keras_dist.distribute(_common.build_model(kind),
                                                            strategy))
 
-        def epoch(model):
-            return lambda: _common.timed(lambda: model.fit(
-                x, y, batch_size=batch, epochs=1, verbose=0)) / steps
-
         times = _common.interleave(
-            {"keras.Model": epoch(plain), "DistributedModel": epoch(ours)},
+            {"keras.Model": _common.epoch_timer(plain, x, y, batch, steps),
+             "DistributedModel": _common.epoch_timer(ours, x, y, batch, steps)},
             _common.repeats(args, 15),
         )
         rows.append(_common.row(f"{kind}: keras.Model.fit", times["keras.Model"], 1e3))

@@ -62,12 +62,10 @@ def run(args) -> dict:
     }
     strategy = next(iter(variants.values()))[0].distribute_strategy
 
-    def epoch(model, callbacks):
-        return lambda: _common.timed(lambda: model.fit(
-            x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
-            callbacks=callbacks)) / args.steps
-
-    times = _common.interleave({name: epoch(*v) for name, v in variants.items()},
+    times = _common.interleave(
+        {name: _common.epoch_timer(model, x, y, args.batch, args.steps, shuffle=False,
+                                   callbacks=callbacks)
+         for name, (model, callbacks) in variants.items()},
                                _common.repeats(args, 15))
     rows = [_common.row(name, values, 1e3) for name, values in times.items()]
     return {

@@ -32,12 +32,9 @@ def run(args) -> dict:
         keras_dist.distribute(_common.build_model("mlp", width=64), strategy),
         steps_per_execution=8)
 
-    def epoch(model):
-        return lambda: _common.timed(lambda: model.fit(
-            x, y, batch_size=batch, epochs=1, verbose=0)) / steps
-
     times = _common.interleave(
-        {"plain": epoch(plain), "ours_1": epoch(ours_1), "ours_8": epoch(ours_8)},
+        {name: _common.epoch_timer(model, x, y, batch, steps)
+         for name, model in (("plain", plain), ("ours_1", ours_1), ("ours_8", ours_8))},
         _common.repeats(args, 15),
     )
     rows = [

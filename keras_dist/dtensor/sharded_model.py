@@ -427,11 +427,15 @@ class ShardedModel:
         results = {k: float(v) for k, v in results.items() if k != "loss"}
         return {"loss": total / max(count, 1), **results}
 
+    def _plain_copy(self) -> keras.Model:
+        """An unsharded, compiled copy of the source model (its own weights)."""
+        host = keras.models.clone_model(self._source)
+        host.compile(**keras.saving.deserialize_keras_object(self._compile_config))
+        return host
+
     def _host_metrics(self) -> keras.Model:
         if self._host is None:
-            host = keras.models.clone_model(self._source)
-            host.compile(**keras.saving.deserialize_keras_object(self._compile_config))
-            self._host = host
+            self._host = self._plain_copy()
         return self._host
 
     # -- saving --------------------------------------------------------------
@@ -442,8 +446,7 @@ class ShardedModel:
         What `save` and `save_weights` write; hand it to code that expects a
         `keras.Model` (export, serving, Keras' own evaluate).
         """
-        host = keras.models.clone_model(self._source)
-        host.compile(**keras.saving.deserialize_keras_object(self._compile_config))
+        host = self._plain_copy()
         host.optimizer.build(host.trainable_variables)
         for target, value in zip(host.weights, self.get_weights()):
             target.assign(value)
