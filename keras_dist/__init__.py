@@ -12,8 +12,17 @@ TensorFlow.
 
 import importlib as _importlib
 import os as _os
+import sys as _sys
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+# In a task of a multi-worker job, configure TensorFlow's collective ops now,
+# before the user's script builds layers (which starts TensorFlow's runtime).
+# The launcher command itself trains nothing and does not import TensorFlow.
+if not _os.path.basename(_sys.argv[0] if _sys.argv else "").startswith("keras-dist"):
+    from keras_dist import _startup as _startup
+
+    _startup.configure_collectives()
 
 __version__ = "0.1.0"
 

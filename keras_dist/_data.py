@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -248,7 +249,11 @@ def array_dataset(strategy, x, y, sample_weight, batch_size, shuffle, seed):
     if not is_array_structure(data):
         return None
     num_samples = int(tf.nest.flatten(x)[0].shape[0])
-    tensors = tf.nest.map_structure(tf.convert_to_tensor, data)
+    # As Keras' array adapter does: lists become tuples, else `Dataset.map`
+    # would stack a list of same-shaped arrays into one tensor.
+    tensors = tf.nest.map_structure(
+        tf.convert_to_tensor, keras.tree.lists_to_tuples(data)
+    )
     indices = tf.data.Dataset.range(num_samples)
     if shuffle:
         indices = indices.shuffle(

@@ -20,18 +20,34 @@ from keras.src.models.model import functional_init_arguments
 from keras_dist import _data
 from keras_dist import _keras_compat
 from keras_dist.strategy import StrategySpec
-from keras_dist.strategy import describe
+from keras_dist.strategy import is_default
 from keras_dist.strategy import resolve_strategy
 from keras_dist.strategy import worker_info
 
-_DEFAULT_STRATEGY = tf.distribute.get_strategy()
-
 
 def _scope(strategy: tf.distribute.Strategy):
-    """The strategy's scope, unless one is already open."""
-    if strategy is _DEFAULT_STRATEGY or tf.distribute.has_strategy():
+    """The strategy's scope, unless one is already open.
+
+    Read at call time: the user's own `strategy.scope()` may be open.
+    """
+    if tf.distribute.has_strategy() or is_default(strategy):
         return contextlib.nullcontext()
     return strategy.scope()
+
+
+def _wrap_build(model) -> None:
+    """Makes `model.build(...)` create its variables on the model's strategy."""
+    build = model.build
+    if getattr(build, "_kd_in_scope", False):
+        return
+
+    @functools.wraps(build)
+    def build_in_scope(*a, **k):
+        with _scope(model._kd_strategy):
+            return build(*a, **k)
+
+    build_in_scope._kd_in_scope = True
+    object.__setattr__(model, "build", build_in_scope)
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
@@ -83,17 +99,18 @@ class DistributedModel(keras.Model):
         # `strategy` is a runtime choice, not part of the architecture: keep
         # it out of the config Keras records for serialization.
         kwargs.pop("strategy", None)
-        if cls is DistributedModel and functional_init_arguments(args, kwargs):
-            return keras.Model.__new__(DistributedFunctional, *args, **kwargs)
+        kwargs.pop("sync_batch_norm", None)
+        if functional_init_arguments(args, kwargs) and not issubclass(cls, Functional):
+            # `DistributedModel(inputs, outputs)`, or a subclass used
+            # functionally (Keras' "customizing fit()" pattern).
+            target = (
+                DistributedFunctional
+                if cls is DistributedModel
+                else _functional_subclass(cls)
+            )
+            return keras.Model.__new__(target, *args, **kwargs)
         obj = super().__new__(cls, *args, **kwargs)
-        build = obj.build
-
-        @functools.wraps(build)
-        def build_in_scope(*a, **k):
-            with _scope(obj._kd_strategy):
-                return build(*a, **k)
-
-        obj.build = build_in_scope
+        _wrap_build(obj)
         return obj
 
     def __init_subclass__(cls, **kwargs):
@@ -127,26 +144,20 @@ class DistributedModel(keras.Model):
                 "Invalid type for argument `sync_batch_norm`. Expected True "
                 f"or False. Received: sync_batch_norm={sync_batch_norm!r}."
             )
-        resolved = resolve_strategy(strategy)
-        if functional_init_arguments(args, kwargs) and not isinstance(
-            self, Functional
-        ):
-            raise TypeError(
-                f"{type(self).__name__} subclasses DistributedModel and was "
-                "called with `inputs` and `outputs`. Build functional models "
-                "with keras_dist.DistributedModel(inputs, outputs) or convert "
-                "one with keras_dist.distribute(model)."
-            )
+        graph_variables, values = [], []
         if functional_init_arguments(args, kwargs):
-            args, kwargs = _functional_on_strategy(resolved, args, kwargs)
+            # Layers called on `keras.Input` made their weights already,
+            # usually outside any scope: they move onto the strategy in place.
+            graph_variables = _graph_variables(args, kwargs)
+            values = _keras_compat.snapshot(graph_variables)
+        resolved = resolve_strategy(strategy)
+        _keras_compat.move_variables(graph_variables, values, resolved)
         # Set before Keras' __init__, which may build (and so read it).
         object.__setattr__(self, "_kd_strategy", resolved)
         with _scope(resolved):
             super().__init__(*args, **kwargs)
         self._kd_sync_batch_norm = sync_batch_norm
-        self._distribute_strategy = (
-            None if resolved is _DEFAULT_STRATEGY else resolved
-        )
+        self._distribute_strategy = None if is_default(resolved) else resolved
 
     # -- strategy-aware plumbing -------------------------------------------
 
@@ -164,32 +175,39 @@ class DistributedModel(keras.Model):
                 layer.synchronized = True
 
     def _kd_adopt(self, obj):
-        """Re-creates a Keras object whose variables live off the strategy."""
+        """Moves a Keras object made outside the strategy onto it, in place.
+
+        The object itself is kept (custom optimizers and metrics need no
+        config round trip); its variables, and an optimizer's state
+        (iterations, slots), move onto the strategy with their values.
+        """
         strategy = self._kd_strategy
+        if is_default(strategy):
+            return obj
         if isinstance(obj, keras.optimizers.Optimizer):
-            if getattr(obj, "_distribution_strategy", strategy) is strategy:
-                return obj
-            if obj.built:
-                warnings.warn(
-                    f"The optimizer passed to compile() was created outside "
-                    f"the model's strategy ({describe(strategy)}) and "
-                    "has state; keras_dist re-creates it from its config on "
-                    "the strategy and its state (iterations, slots) starts "
-                    "fresh.",
-                    stacklevel=3,
+            if not _keras_compat.optimizer_on_strategy(obj, strategy):
+                keys = _keras_compat.optimizer_keys(obj)
+                _keras_compat.set_optimizer_strategy(obj, strategy)
+                variables = _keras_compat.optimizer_variables(obj)
+                _keras_compat.move_variables(
+                    variables, _keras_compat.snapshot(variables), strategy
                 )
-            return type(obj).from_config(obj.get_config())
+                _keras_compat.rekey_optimizers(keys)
+            return obj
         if isinstance(obj, keras.metrics.Metric):
-            if strategy is _DEFAULT_STRATEGY or all(
-                isinstance(getattr(v, "value", v), tf.distribute.DistributedValues)
-                for v in obj.variables
-            ):
-                return obj
-            return type(obj).from_config(obj.get_config())
+            variables = list(obj.variables)
+            _keras_compat.move_variables(
+                variables, _keras_compat.snapshot(variables), strategy
+            )
+            return obj
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self._kd_adopt(o) for o in obj)
+            for o in obj:
+                self._kd_adopt(o)
+            return obj
         if isinstance(obj, dict):
-            return {k: self._kd_adopt(v) for k, v in obj.items()}
+            for o in obj.values():
+                self._kd_adopt(o)
+            return obj
         return obj
 
     def compile(
@@ -328,7 +346,7 @@ class DistributedModel(keras.Model):
         )
         if cursor.kind != "arrays":
             num_samples = None
-        resumed = backup._kd_select(strategy) if backup is not None else None
+        resumed = backup._kd_select(strategy, fresh=True) if backup is not None else None
         dataset = None
         if cursor.kind == "arrays":
             seed = None
@@ -490,17 +508,45 @@ class DistributedModel(keras.Model):
     # -- saving ------------------------------------------------------------
 
     def _kd_chief_only(self, write, filepath):
-        """Every worker writes (collectives stay aligned); only the chief keeps."""
-        if worker_info(self._kd_strategy).is_chief:
-            return write(filepath)
-        scratch = tempfile.mkdtemp(prefix="keras_dist_worker_")
+        """Every worker writes (collectives stay aligned); only the chief keeps.
+
+        Under multi-worker training the workers then wait for each other, so
+        that when `save` returns on any worker the chief's file is complete
+        (a worker may load it on its next line); a failed save raises on
+        every worker.
+        """
+        strategy = self._kd_strategy
+        chief = worker_info(strategy).is_chief
+        scratch = None if chief else tempfile.mkdtemp(prefix="keras_dist_worker_")
+        error = None
         try:
-            return write(os.path.join(scratch, os.path.basename(str(filepath))))
+            target = filepath if chief else os.path.join(
+                scratch, os.path.basename(str(filepath))
+            )
+            result = write(target)
+        except Exception as e:  # re-raised below, after the barrier
+            error = e
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+        if _keras_compat.is_multi_worker(strategy):
+            failed = _data.agree_sum(strategy, [error is not None])[0]
+            if failed and error is None:
+                raise RuntimeError(
+                    f"Saving {str(filepath)!r} failed on {failed} other "
+                    "worker(s) (the chief's output says why); nothing new was "
+                    "kept."
+                )
+        if error is not None:
+            raise error
+        return result
 
     def save(self, filepath, overwrite=True, zipped=None, **kwargs):
-        """`keras.Model.save`; under multi-worker only the chief's file is kept."""
+        """`keras.Model.save`; under multi-worker only the chief's file is kept.
+
+        Every worker must call it. Under multi-worker training it returns on
+        each worker only once the chief's file is complete.
+        """
         return self._kd_chief_only(
             lambda path: super(DistributedModel, self).save(
                 path, overwrite=overwrite, zipped=zipped, **kwargs
@@ -509,7 +555,11 @@ class DistributedModel(keras.Model):
         )
 
     def save_weights(self, filepath, overwrite=True, max_shard_size=None):
-        """`keras.Model.save_weights`; only the chief's file is kept."""
+        """`keras.Model.save_weights`; only the chief's file is kept.
+
+        Every worker must call it; it returns once the chief's file is
+        complete.
+        """
         return self._kd_chief_only(
             lambda path: super(DistributedModel, self).save_weights(
                 path, overwrite=overwrite, max_shard_size=max_shard_size
@@ -560,36 +610,23 @@ def _find_monitor(callbacks):
     return _find_one(callbacks, PerReplicaMetrics)
 
 
-def _off_strategy(variables, strategy) -> bool:
-    """Whether any variable was created outside `strategy`'s scope."""
-    if strategy is _DEFAULT_STRATEGY:
-        return False
-    return any(
-        not isinstance(getattr(v, "value", v), tf.distribute.DistributedValues)
-        for v in variables
-    )
-
-
-def _functional_on_strategy(strategy, args, kwargs):
-    """Re-creates a functional graph's layers on `strategy` if needed.
-
-    Layers called on `keras.Input` tensors create their weights at once,
-    usually before any scope is open. Such a graph is cloned under the
-    strategy's scope, with the same initial weights.
-    """
-    kwargs = dict(kwargs)
-    inputs = kwargs.pop("inputs") if "inputs" in kwargs else args[0]
+def _graph_variables(args, kwargs) -> list:
+    """The variables of the layers between a functional model's inputs and outputs."""
+    inputs = kwargs["inputs"] if "inputs" in kwargs else args[0]
     if "outputs" in kwargs:
-        outputs = kwargs.pop("outputs")
+        outputs = kwargs["outputs"]
     else:
         outputs = args[1] if len(args) > 1 else args[0]
     graph = keras.Model(inputs=inputs, outputs=outputs)
-    if _off_strategy(graph.weights, strategy):
-        with _scope(strategy):
-            clone = keras.models.clone_model(graph)
-            clone.set_weights(graph.get_weights())
-        inputs, outputs = clone.inputs, clone.outputs
-    return (), dict(kwargs, inputs=inputs, outputs=outputs)
+    return _keras_compat.unique_variables(graph.variables)
+
+
+def _model_state(model: keras.Model) -> list:
+    """Every variable a model owns: layers, optimizer, compiled metrics."""
+    variables = list(model.variables) + list(model.metrics_variables)
+    if getattr(model, "optimizer", None) is not None:
+        variables += _keras_compat.optimizer_variables(model.optimizer)
+    return _keras_compat.unique_variables(variables)
 
 
 def _split(arrays, validation_split):
@@ -624,14 +661,39 @@ class DistributedFunctional(DistributedModel, Functional):
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         sync = config.pop("sync_batch_norm", True)
-        model = Functional.from_config.__func__(cls, config, custom_objects)
+        # Keras builds each layer from its build config as it deserializes
+        # it: under the scope, so that its variables land on the strategy.
+        with _scope(resolve_strategy("auto")):
+            model = Functional.from_config.__func__(cls, config, custom_objects)
+        model._kd_sync_batch_norm = sync
+        return model
+
+
+@keras.saving.register_keras_serializable(package="keras_dist")
+class DistributedSequential(DistributedModel, keras.Sequential):
+    """What `distribute()` makes of a `keras.Sequential` model."""
+
+    def get_config(self) -> dict[str, Any]:
+        config = keras.Sequential.get_config(self)
+        if not self._kd_sync_batch_norm:
+            config["sync_batch_norm"] = False
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        sync = config.pop("sync_batch_norm", True)
+        # Keras builds each layer from its build config as it deserializes
+        # it: under the scope, so that its variables land on the strategy.
+        with _scope(resolve_strategy("auto")):
+            model = keras.Sequential.from_config.__func__(cls, config, custom_objects)
         model._kd_sync_batch_norm = sync
         return model
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
 class DistributedWrapper(DistributedModel):
-    """What `distribute()` returns for a model that is not functional."""
+    """Models saved by keras_dist 0.1's `distribute()` (loading only)."""
 
     def __init__(self, model, **kwargs):
         super().__init__(**kwargs)
@@ -658,89 +720,116 @@ class DistributedWrapper(DistributedModel):
         return cls(model, strategy=strategy, **config)
 
 
+_DISTRIBUTED_CLASSES: dict = {}
+
+
+def _subclass(cls, bases: tuple) -> type:
+    """A class named like the user's `cls`, whose MRO adds keras_dist's."""
+    if (cls, bases) not in _DISTRIBUTED_CLASSES:
+        new = type(
+            cls.__name__,
+            bases,
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        )
+        # Saved models name the user's class, so they load as written.
+        _keras_compat.alias_registered_name(new, cls)
+        _DISTRIBUTED_CLASSES[(cls, bases)] = new
+    return _DISTRIBUTED_CLASSES[(cls, bases)]
+
+
+def _functional_subclass(cls) -> type:
+    """`cls` (a DistributedModel subclass) used as `cls(inputs, outputs)`."""
+    return _subclass(cls, (cls, DistributedFunctional))
+
+
+def _distributed_class(cls) -> type:
+    """The class `distribute()` gives a model of class `cls`.
+
+    Keras' own classes map to registered keras_dist classes; a user's class
+    gets a subclass that puts the user's methods first (their `train_step`,
+    `compile`, ... win, and their `super()` calls reach keras_dist's).
+    """
+    if issubclass(cls, DistributedModel):
+        return cls
+    if cls is Functional:
+        return DistributedFunctional
+    if cls is keras.Sequential:
+        return DistributedSequential
+    return _subclass(cls, (cls, DistributedModel))
+
+
 def distribute(
     model: keras.Model,
     strategy: StrategySpec = "auto",
     *,
     sync_batch_norm: bool = True,
 ) -> DistributedModel:
-    """Returns a `DistributedModel` copy of `model` living on `strategy`.
+    """Makes an existing Keras model a `DistributedModel` on `strategy`, in place.
 
-    Works for Sequential, functional and subclassed models, built or not. The
-    copy is made under the strategy's scope (its variables are mirrored or
-    replicated as the strategy wants) and gets the original's weights; a
-    compiled model comes back compiled the same way, with its optimizer
-    state. The original model is left untouched.
+    Works for any `keras.Model`: Sequential, functional (dict and nested
+    inputs and outputs), subclassed with any constructor, custom layers
+    without `get_config`, `Lambda` layers, nested models; built or not,
+    compiled or not. Nothing is re-created from a config: the same model
+    object comes back, with the same layers, now also a
+    `DistributedModel`, and the storage of each of its variables (weights,
+    optimizer state, metrics) re-created under the strategy's scope with its
+    current value. Under `MultiWorkerMirroredStrategy` the chief's values
+    are broadcast, so every worker starts from identical weights. A
+    compiled model stays compiled, with its optimizer state. Your own
+    `train_step`, `test_step` and `compile` overrides keep working.
 
     Args:
         model: A `keras.Model`.
-        strategy: See `keras_dist.resolve_strategy`; default `"auto"`.
+        strategy: See `keras_dist.resolve_strategy`; default `"auto"` (the
+            strategy whose scope is open, if any).
         sync_batch_norm: Boolean, default True; see `DistributedModel`.
 
     Returns:
-        A `DistributedModel`.
+        `model` itself, now a `DistributedModel`.
 
     Example:
 
         >>> import keras, keras_dist
         >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         >>> dist = keras_dist.distribute(model, strategy="default")
+        >>> dist is model, isinstance(model, keras_dist.DistributedModel)
+        (True, True)
         >>> [w.shape for w in dist.get_weights()]
         [(3, 2), (2,)]
 
     Raises:
-        TypeError: if `model` is not a `keras.Model`.
+        TypeError: if `model` is not a `keras.Model`, or `sync_batch_norm`
+            is not a boolean.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
             "Invalid type for argument `model`. Expected a keras.Model. "
             f"Received: model={model!r} of type {type(model).__name__}."
         )
+    if not isinstance(sync_batch_norm, bool):
+        raise TypeError(
+            "Invalid type for argument `sync_batch_norm`. Expected True "
+            f"or False. Received: sync_batch_norm={sync_batch_norm!r}."
+        )
+    variables = _model_state(model)
+    # Values first: creating a MultiWorkerMirroredStrategy after TensorFlow
+    # started makes existing tensors unreadable.
+    values = _keras_compat.snapshot(variables)
+    seed_state = _keras_compat.global_seed_variables()
+    seed_values = _keras_compat.snapshot(seed_state)
     resolved = resolve_strategy(strategy)
-    with _scope(resolved):
-        clone = keras.models.clone_model(model)
-        if model.built and not clone.built:
-            clone.build_from_config(model.get_build_config())
-        if model.built:
-            clone.set_weights(model.get_weights())
-        functional = isinstance(clone, Functional) or (
-            isinstance(clone, keras.Sequential) and clone.built
-            and getattr(clone, "_functional", None) is not None
-        )
-        if functional:
-            result = DistributedModel(
-                clone.inputs,
-                clone.outputs,
-                name=model.name,
-                strategy=resolved,
-                sync_batch_norm=sync_batch_norm,
-            )
-        else:
-            result = DistributedWrapper(
-                clone,
-                name=model.name,
-                strategy=resolved,
-                sync_batch_norm=sync_batch_norm,
-            )
-        if getattr(model, "compiled", False) and model.get_compile_config():
-            result.compile_from_config(model.get_compile_config())
-            _copy_optimizer_state(model, result)
-    return result
-
-
-def _copy_optimizer_state(source: keras.Model, target: keras.Model) -> None:
-    old = source.optimizer
-    if old is None or not old.built or target.optimizer is None:
-        return
-    target.optimizer.build(target.trainable_variables)
-    new_vars = target.optimizer.variables
-    if len(new_vars) != len(old.variables):
-        warnings.warn(
-            "Could not carry the optimizer state over to the distributed "
-            f"model ({len(old.variables)} vs {len(new_vars)} variables); "
-            "it starts fresh.",
-            stacklevel=3,
-        )
-        return
-    for new, value in zip(new_vars, old.variables):
-        new.assign(value)
+    _keras_compat.restore_unreadable(seed_state, seed_values)
+    model.__class__ = _distributed_class(type(model))
+    object.__setattr__(model, "_kd_strategy", resolved)
+    model._kd_sync_batch_norm = sync_batch_norm
+    model._distribute_strategy = None if is_default(resolved) else resolved
+    _wrap_build(model)
+    optimizer = getattr(model, "optimizer", None)
+    keys = _keras_compat.optimizer_keys(optimizer)
+    if optimizer is not None:
+        _keras_compat.set_optimizer_strategy(optimizer, resolved)
+    _keras_compat.move_variables(variables, values, resolved)
+    _keras_compat.rekey_optimizers(keys)
+    _keras_compat.reset_compiled_functions(model)
+    model._kd_prepare_layers()
+    return model

@@ -153,17 +153,27 @@ def resolve_strategy(spec: StrategySpec = "auto") -> tf.distribute.Strategy:
 
 
 def _default_strategy() -> tf.distribute.Strategy:
-    # The default strategy is a process-wide singleton; read it from a thread
-    # where no other strategy's scope is open.
+    # The default strategy is a process-wide singleton; read it where no
+    # other strategy's scope is open (a fresh thread, if one is open here).
+    if ("default",) in _cache:
+        return _cache[("default",)]
     if not tf.distribute.has_strategy():
-        return tf.distribute.get_strategy()
-    result = []
-    thread = threading.Thread(
-        target=lambda: result.append(tf.distribute.get_strategy())
-    )
-    thread.start()
-    thread.join()
-    return result[0]
+        strategy = tf.distribute.get_strategy()
+    else:
+        result = []
+        thread = threading.Thread(
+            target=lambda: result.append(tf.distribute.get_strategy())
+        )
+        thread.start()
+        thread.join()
+        strategy = result[0]
+    _cache[("default",)] = strategy
+    return strategy
+
+
+def is_default(strategy: tf.distribute.Strategy) -> bool:
+    """Whether `strategy` is TensorFlow's default (no-op) strategy."""
+    return strategy is _default_strategy()
 
 
 def _resolve_auto() -> tf.distribute.Strategy:
@@ -224,11 +234,24 @@ def _multi_worker() -> tf.distribute.Strategy:
         cluster = _tf_config.parse_tf_config()
         if cluster is None and _tf_config.slurm_num_tasks() > 1:
             resolver = tf.distribute.cluster_resolver.SlurmClusterResolver()
+        else:
+            resolver = None
+        try:
             _cache[key] = tf.distribute.MultiWorkerMirroredStrategy(
                 cluster_resolver=resolver
             )
-        else:
-            _cache[key] = tf.distribute.MultiWorkerMirroredStrategy()
+        except RuntimeError as e:
+            if "program startup" not in str(e):
+                raise
+            raise RuntimeError(
+                "MultiWorkerMirroredStrategy could not be created: TensorFlow "
+                "had already started (an op ran, or a layer was built) before "
+                "keras_dist was imported, and collective ops can only be "
+                "configured before that. Put `import keras_dist` before the "
+                "first TensorFlow or Keras call of the script (keras_dist then "
+                "configures them at import), or create the strategy first. "
+                f"TensorFlow said: {e}"
+            ) from None
     return _cache[key]
 
 

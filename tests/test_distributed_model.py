@@ -259,12 +259,15 @@ def test_distribute_compiled_model_keeps_optimizer_state():
     model = mlp()
     model.compile(keras.optimizers.Adam(0.01), "mse")
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    before = [v.numpy() for v in model.optimizer.variables]
     dist = keras_dist.distribute(model, "mirrored")
+    assert dist is model
     assert int(dist.optimizer.iterations.numpy()) == 9
-    assert max_abs_diff(
-        [v.numpy() for v in dist.optimizer.variables],
-        [v.numpy() for v in model.optimizer.variables],
-    ) == 0
+    assert all(
+        isinstance(v.value, tf.distribute.DistributedValues)
+        for v in dist.optimizer.variables
+    )
+    assert max_abs_diff([v.numpy() for v in dist.optimizer.variables], before) == 0
     dist.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert int(dist.optimizer.iterations.numpy()) == 18
 
@@ -446,6 +449,11 @@ def test_save_and_load_round_trip(tmp_path, kind):
     # Loaded under another strategy: the one in scope.
     with two_replicas().scope():
         loaded = keras.models.load_model(path)
+    if kind == "wrapped":
+        # distribute() keeps the user's class: the file loads as that class,
+        # as with plain Keras, and is distributed again in one call.
+        assert type(loaded) is Plain
+        loaded = keras_dist.distribute(loaded)
     assert isinstance(loaded, keras_dist.DistributedModel)
     assert loaded.distribute_strategy is two_replicas()
     np.testing.assert_allclose(loaded.predict(x, batch_size=16, verbose=0),

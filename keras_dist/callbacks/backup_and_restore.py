@@ -209,6 +209,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._since_save = 0
         self._last_save_time = time.monotonic()
         self._pending_epoch_save = False
+        self._saved_states = ({}, {})  # other callbacks' states at the epoch save
         self._resume = None  # state of the restored backup until applied
         self._skip_calls = 0
         self._skip_extra = 0
@@ -239,12 +240,18 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "directory path this process can create and write."
             ) from None
 
-    def _kd_select(self, strategy):
-        """Chooses (once per fit) the backup to restore; None when none."""
+    def _kd_select(self, strategy, fresh: bool = False):
+        """Chooses (once per fit) the backup to restore; None when none.
+
+        `fresh` drops a choice left by an earlier fit that never reached
+        `on_train_end` (it raised): a new fit looks at the disk again.
+        """
         self._strategy = strategy
         info = worker_info(strategy)
         self._chief = info.is_chief
         self._multi_worker = _keras_compat.is_multi_worker(strategy)
+        if fresh:
+            self._selected = None
         if self._selected is not None:
             return self._selected[1]
         self._check_dir()
@@ -600,14 +607,22 @@ class BackupAndRestore(keras.callbacks.Callback):
     # -- Keras hooks ---------------------------------------------------------
 
     def on_train_begin(self, logs=None):
+        # Whatever an interrupted earlier fit left (it raised before
+        # on_train_end) is undone first.
         self._unmute_siblings()
+        self._restore_handlers()
+        self._unwrap_train_function()
         self._reset_run()
         context = getattr(self.model, "_kd_fit_context", None)
         self._context = context
         self._cursor = context.cursor if context is not None else (
             _data.DataCursor("unknown", persistent=False)
         )
-        state = self._kd_select(self.model.distribute_strategy)
+        # A DistributedModel's fit chose the backup just before (it needs
+        # the shuffle seed first); any other fit chooses now, from the disk.
+        state = self._kd_select(
+            self.model.distribute_strategy, fresh=context is None
+        )
         chosen, _, newest = self._selected
         self._sequence = newest
         if state is not None:
@@ -623,8 +638,14 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         if self._pending_epoch_save:
             self._pending_epoch_save = False
-            self._epoch, self._step = epoch, 0
-            self._save()
+            # Callbacks after this one in the list updated their state for the
+            # finished epoch after it was saved: save again if they did.
+            changed = not _same_states(self._callback_states(), self._saved_states)
+            if self._multi_worker:
+                changed = _data.agree_sum(self._strategy, [changed])[0] > 0
+            if changed:
+                self._epoch, self._step = epoch, 0
+                self._save()
         self._epoch, self._step = epoch, 0
         if self._resume is not None:
             state, self._resume = self._resume, None
@@ -646,6 +667,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         if position["epoch"] == 0 and step == 0 and not position.get("persistent"):
             return
         kind = self._cursor.kind
+        if self._context is None and step == 0 and not position.get("persistent"):
+            return  # an epoch boundary: a fresh pass is where it stood
         if self._context is None:
             self._warn_once(
                 "plain",
@@ -714,10 +737,18 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._unmute_siblings()
-        # Saved at the next epoch's start, once every callback has updated
-        # its state for this epoch (EarlyStopping may run after us).
-        if self.save_freq == "epoch":
-            self._pending_epoch_save = True
+        if self.save_freq != "epoch":
+            return
+        # The finished epoch is committed now, as Keras does: a job stopped
+        # before the next epoch starts never repeats it.
+        current = self._epoch, self._step
+        self._epoch, self._step = epoch + 1, 0
+        try:
+            self._save()
+        finally:
+            self._epoch, self._step = current
+        self._saved_states = self._callback_states()
+        self._pending_epoch_save = True
 
     def on_train_end(self, logs=None):
         self._unmute_siblings()
@@ -734,6 +765,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         _keras_compat.set_initial_epoch(self.model, None)
         self._selected = None
         self._reset_run()
+
+
+def _same_states(a: tuple[dict, dict], b: tuple[dict, dict]) -> bool:
+    """Whether two `_callback_states()` results hold the same states."""
+    if a[0] != b[0] or a[1].keys() != b[1].keys():
+        return False
+    return all(np.array_equal(a[1][k], b[1][k]) for k in a[1])
 
 
 def _is_positive_int(value) -> bool:

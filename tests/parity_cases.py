@@ -1,0 +1,601 @@
+"""Differential parity cases: each `keras.Model` feature as users write it.
+
+Every case builds a model with no seed, the way Keras users write one
+(layers called on `keras.Input` before any keras_dist call, custom layers
+without `get_config`, `Lambda`, dict and nested I/O, subclassed models with
+arbitrary constructor arguments, built-in callbacks), then trains,
+evaluates and predicts. `run_case` runs it twice from the same initial
+weights: once as plain Keras on one device, once through
+`keras_dist.distribute` / `keras_dist.DistributedModel` on a strategy, and
+returns both results for an exact comparison (`compare`).
+
+Used in-process on 2 replicas (tests/test_parity.py) and by each worker of
+a 2-worker job (tests/multi_worker/parity_main.py).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_dist
+
+N, BATCH, D = 64, 16, 4
+TOL = 1e-5
+
+
+def data(n=N, d=D, classes=None):
+    """Deterministic, learnable data (no random generator involved)."""
+    t = np.arange(n * d, dtype="float64").reshape(n, d)
+    x = (np.sin(0.37 * t) + 0.5 * np.cos(0.11 * t)).astype("float32")
+    y = (x @ np.linspace(-1.0, 1.0, d)[:, None] + 0.1).astype("float32")
+    if classes:
+        return x, (np.abs(np.floor(y[:, 0] * 3.0)) % classes).astype("int32")
+    return x, y
+
+
+def mlp_layers(inputs, units=8):
+    h = keras.layers.Dense(units, activation="relu")(inputs)
+    return keras.layers.Dense(1)(h)
+
+
+class Scale(keras.layers.Layer):
+    """A custom layer without `get_config`, taking a non-serializable argument."""
+
+    def __init__(self, units, transform, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.transform = transform
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1], self.units))
+        self.b = self.add_weight(shape=(self.units,), initializer="zeros")
+
+    def call(self, x):
+        return self.transform(x @ self.w + self.b)
+
+
+class Tower(keras.Model):
+    """A subclassed model whose constructor takes a Python object."""
+
+    def __init__(self, head, activation=tf.nn.tanh):
+        super().__init__()
+        self.head = head
+        self.activation = activation
+        self.hidden = keras.layers.Dense(8)
+
+    def call(self, x):
+        return self.head(self.activation(self.hidden(x)))
+
+
+class CustomFit(keras.Model):
+    """Keras' "customizing what happens in fit()" guide, used functionally."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch_size):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return len(self.x) // self.batch_size
+
+    def __getitem__(self, i):
+        s = slice(i * self.batch_size, (i + 1) * self.batch_size)
+        return self.x[s], self.y[s]
+
+
+def history(h):
+    return {f"history/{k}": np.asarray(v, "float64") for k, v in h.history.items()}
+
+
+def fit_eval_predict(model, x, y, fit_x=None, fit_y=None, **fit_kwargs):
+    fit_kwargs.setdefault("epochs", 2)
+    fit_kwargs.setdefault("verbose", 0)
+    fit_kwargs.setdefault("shuffle", False)
+    if "batch_size" not in fit_kwargs and not isinstance(
+        fit_x, (tf.data.Dataset, keras.utils.PyDataset)
+    ):
+        fit_kwargs["batch_size"] = BATCH
+    h = model.fit(x if fit_x is None else fit_x,
+                  y if fit_x is None else fit_y, **fit_kwargs)
+    out = history(h)
+    out["evaluate"] = np.asarray(
+        model.evaluate(x, y, batch_size=BATCH, verbose=0), "float64"
+    )
+    predictions = model.predict(x, batch_size=BATCH, verbose=0)
+    for i, p in enumerate(tf.nest.flatten(predictions)):
+        out[f"predict/{i}"] = np.asarray(p)
+    out["predict/structure"] = np.asarray(type(predictions).__name__)
+    return out
+
+
+# -- the cases ----------------------------------------------------------------
+# Each: build(kd) -> model (kd: the functional form may be DistributedModel),
+# train(model) -> {name: array}.
+
+CASES = {}
+
+
+def case(name, row):
+    def register(fn):
+        CASES[name] = (fn, row)
+        return fn
+
+    return register
+
+
+@case("numpy", "numpy input, `evaluate`, `predict`")
+def _numpy():
+    def build(kd):
+        inputs = keras.Input((D,))
+        return keras.Model(inputs, mlp_layers(inputs))
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", metrics=["mae"])
+        x, y = data()
+        return fit_eval_predict(model, x, y)
+
+    return build, train
+
+
+@case("functional_form", "`DistributedModel(inputs, outputs)` on layers built first")
+def _functional_form():
+    def build(kd):
+        inputs = keras.Input((D,))
+        outputs = mlp_layers(inputs)
+        if kd:
+            return keras_dist.DistributedModel(inputs, outputs, strategy=kd)
+        return keras.Model(inputs, outputs)
+
+    def train(model):
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        x, y = data()
+        return fit_eval_predict(model, x, y)
+
+    return build, train
+
+
+@case("dict_io", "dict inputs and outputs; loss, loss-weight and metric dicts")
+def _dict_io():
+    def build(kd):
+        a = keras.Input((2,), name="a")
+        b = keras.Input((2,), name="b")
+        h = keras.layers.Dense(8, activation="relu")(keras.layers.Concatenate()([a, b]))
+        return keras.Model(
+            {"a": a, "b": b},
+            {"value": keras.layers.Dense(1, name="value")(h),
+             "label": keras.layers.Dense(3, activation="softmax", name="label")(h)},
+        )
+
+    def train(model):
+        model.compile(
+            keras.optimizers.Adam(0.01),
+            loss={"value": "mse", "label": "sparse_categorical_crossentropy"},
+            loss_weights={"value": 1.0, "label": 0.5},
+            metrics={"value": ["mae"], "label": ["accuracy"]},
+        )
+        x, y = data()
+        _, label = data(classes=3)
+        xs = {"a": x[:, :2], "b": x[:, 2:]}
+        return fit_eval_predict(model, xs, {"value": y, "label": label})
+
+    return build, train
+
+
+@case("nested_io", "nested (list) inputs and outputs given as Python lists")
+def _nested_io():
+    def build(kd):
+        a, b = keras.Input((2,)), keras.Input((2,))
+        h = keras.layers.Dense(8, activation="relu")(keras.layers.Add()([a, b]))
+        return keras.Model([a, b], [keras.layers.Dense(1)(h), keras.layers.Dense(1)(h)])
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05), ["mse", "mae"])
+        x, y = data()
+        return fit_eval_predict(model, [x[:, :2], x[:, 2:]], [y, 2.0 * y])
+
+    return build, train
+
+
+@case("tf_data", "`tf.data.Dataset` input")
+def _tf_data():
+    def build(kd):
+        inputs = keras.Input((D,))
+        return keras.Model(inputs, mlp_layers(inputs))
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        x, y = data()
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+        return fit_eval_predict(model, x, y, fit_x=ds, fit_y=None)
+
+    return build, train
+
+
+@case("py_dataset", "`keras.utils.PyDataset` input")
+def _py_dataset():
+    def build(kd):
+        inputs = keras.Input((D,))
+        return keras.Model(inputs, mlp_layers(inputs))
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        x, y = data()
+        return fit_eval_predict(model, x, y, fit_x=Batches(x, y, BATCH), fit_y=None)
+
+    return build, train
+
+
+@case("generator", "Python generator input with `steps_per_epoch`")
+def _generator():
+    def build(kd):
+        inputs = keras.Input((D,))
+        return keras.Model(inputs, mlp_layers(inputs))
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        x, y = data()
+
+        def batches():
+            while True:
+                for i in range(0, N, BATCH):
+                    yield x[i:i + BATCH], y[i:i + BATCH]
+
+        return fit_eval_predict(model, x, y, fit_x=batches(), fit_y=None,
+                                steps_per_epoch=N // BATCH)
+
+    return build, train
+
+
+@case("sample_weight", "`sample_weight`")
+def _sample_weight():
+    def build(kd):
+        inputs = keras.Input((D,))
+        return keras.Model(inputs, mlp_layers(inputs))
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05), "mse", weighted_metrics=["mae"])
+        x, y = data()
+        weights = np.linspace(0.1, 2.0, N).astype("float32")
+        return fit_eval_predict(model, x, y, sample_weight=weights)
+
+    return build, train
+
+
+@case("class_weight", "`class_weight`")
+def _class_weight():
+    def build(kd):
+        inputs = keras.Input((D,))
+        h = keras.layers.Dense(8, activation="relu")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
+
+    def train(model):
+        model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
+        x, label = data(classes=3)
+        return fit_eval_predict(model, x, label, class_weight={0: 1.0, 1: 2.0, 2: 0.5})
+
+    return build, train
+
+
+@case("validation", "`validation_split`, `validation_data`, `validation_freq`")
+def _validation():
+    def build(kd):
+        inputs = keras.Input((D,))
+        return keras.Model(inputs, mlp_layers(inputs))
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05), "mse", metrics=["mae"])
+        x, y = data()
+        out = fit_eval_predict(model, x, y, validation_split=0.25, epochs=3,
+                               validation_freq=2)
+        h = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
+                      validation_data=(x[:32], y[:32]), validation_batch_size=8)
+        out.update({f"second/{k}": v for k, v in history(h).items()})
+        return out
+
+    return build, train
+
+
+@case("epochs_and_steps", "`initial_epoch`, `steps_per_epoch` on a repeated dataset")
+def _epochs_and_steps():
+    def build(kd):
+        inputs = keras.Input((D,))
+        return keras.Model(inputs, mlp_layers(inputs))
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        x, y = data()
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
+        out = fit_eval_predict(model, x, y, fit_x=ds, fit_y=None, epochs=3,
+                               initial_epoch=1, steps_per_epoch=3)
+        out["iterations"] = np.asarray(int(model.optimizer.iterations.numpy()))
+        return out
+
+    return build, train
+
+
+@case("on_batch", "`train_on_batch`, `test_on_batch`, `predict_on_batch`")
+def _on_batch():
+    def build(kd):
+        inputs = keras.Input((D,))
+        return keras.Model(inputs, mlp_layers(inputs))
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05), "mse", metrics=["mae"])
+        x, y = data()
+        out = {}
+        for i in range(0, N, BATCH):
+            out[f"train/{i}"] = np.asarray(model.train_on_batch(x[i:i + BATCH], y[i:i + BATCH]))
+        out["test"] = np.asarray(model.test_on_batch(x[:BATCH], y[:BATCH]))
+        out["predict"] = np.asarray(model.predict_on_batch(x[:BATCH]))
+        return out
+
+    return build, train
+
+
+@case("custom_layer", "custom layer without `get_config`, non-serializable argument")
+def _custom_layer():
+    def build(kd):
+        inputs = keras.Input((D,))
+        h = Scale(8, tf.nn.relu)(inputs)
+        return keras.Model(inputs, Scale(1, lambda t: t)(h))
+
+    def train(model):
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        x, y = data()
+        return fit_eval_predict(model, x, y)
+
+    return build, train
+
+
+@case("lambda", "`Lambda` layers")
+def _lambda():
+    def build(kd):
+        inputs = keras.Input((D,))
+        h = keras.layers.Lambda(lambda t: tf.concat([t, t * t], axis=-1))(inputs)
+        return keras.Model(inputs, mlp_layers(h))
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        x, y = data()
+        return fit_eval_predict(model, x, y)
+
+    return build, train
+
+
+@case("nested_model", "nested models (a Sequential inside a functional model)")
+def _nested_model():
+    def build(kd):
+        inner = keras.Sequential([keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(4)])
+        inputs = keras.Input((D,))
+        return keras.Model(inputs, keras.layers.Dense(1)(inner(inputs)))
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
+        x, y = data()
+        return fit_eval_predict(model, x, y)
+
+    return build, train
+
+
+@case("subclassed", "subclassed model, non-serializable constructor arguments")
+def _subclassed():
+    def build(kd):
+        model = Tower(keras.layers.Dense(1), activation=lambda t: tf.nn.tanh(t))
+        model(data()[0][:2])
+        return model
+
+    def train(model):
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        x, y = data()
+        return fit_eval_predict(model, x, y)
+
+    return build, train
+
+
+@case("custom_train_step", "custom `train_step`, model subclass used functionally")
+def _custom_train_step():
+    def build(kd):
+        inputs = keras.Input((D,))
+        return CustomFit(inputs, mlp_layers(inputs))
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05), "mse", metrics=["mae"])
+        x, y = data()
+        return fit_eval_predict(model, x, y)
+
+    return build, train
+
+
+@case("sequential_batch_norm", "Sequential with BatchNormalization")
+def _sequential_batch_norm():
+    def build(kd):
+        return keras.Sequential([
+            keras.Input((D,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
+            keras.layers.Activation("relu"), keras.layers.Dense(1),
+        ])
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        x, y = data()
+        return fit_eval_predict(model, x, y)
+
+    return build, train
+
+
+@case("uneven_last_batch", "uneven last batch (69 samples, batch 16)")
+def _uneven_last_batch():
+    def build(kd):
+        inputs = keras.Input((D,))
+        return keras.Model(inputs, mlp_layers(inputs))
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        x, y = data(n=69)
+        return fit_eval_predict(model, x, y)
+
+    return build, train
+
+
+@case("compiled_first", "model compiled and trained before `distribute()`")
+def _compiled_first():
+    def build(kd):
+        inputs = keras.Input((D,))
+        model = keras.Model(inputs, mlp_layers(inputs))
+        model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"])
+        return model
+
+    def train(model):
+        x, y = data()
+        out = fit_eval_predict(model, x, y)
+        out["iterations"] = np.asarray(int(model.optimizer.iterations.numpy()))
+        return out
+
+    return build, train
+
+
+@case("callbacks", "EarlyStopping(restore_best_weights), ModelCheckpoint, "
+      "ReduceLROnPlateau, CSVLogger, TensorBoard, TerminateOnNaN, LearningRateScheduler")
+def _callbacks():
+    def build(kd):
+        inputs = keras.Input((D,))
+        return keras.Model(inputs, mlp_layers(inputs))
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.2, momentum=0.9), "mse")
+        x, y = data()
+        work = tempfile.mkdtemp(prefix="parity_callbacks_")
+        callbacks = [
+            keras.callbacks.EarlyStopping("val_loss", patience=1, restore_best_weights=True),
+            keras.callbacks.ModelCheckpoint(os.path.join(work, "best.keras"),
+                                            save_best_only=True),
+            keras.callbacks.ReduceLROnPlateau("val_loss", factor=0.5, patience=0),
+            keras.callbacks.CSVLogger(os.path.join(work, "log.csv")),
+            keras.callbacks.TensorBoard(os.path.join(work, "tb")),
+            keras.callbacks.TerminateOnNaN(),
+            keras.callbacks.LearningRateScheduler(lambda e, lr: lr * 0.9),
+        ]
+        out = fit_eval_predict(model, x, y, epochs=8, validation_data=(x, y),
+                               callbacks=callbacks)
+        if os.path.exists(os.path.join(work, "best.keras")):
+            best = keras.models.load_model(os.path.join(work, "best.keras"))
+            out["checkpoint/predict"] = np.asarray(best.predict(x, batch_size=BATCH, verbose=0))
+        out["csv_rows"] = np.asarray(
+            len(open(os.path.join(work, "log.csv")).read().strip().splitlines())
+        )
+        return out
+
+    return build, train
+
+
+@case("save_load", "`.keras` save / load, `save_weights` / `load_weights`")
+def _save_load():
+    def build(kd):
+        inputs = keras.Input((D,))
+        return keras.Model(inputs, mlp_layers(inputs))
+
+    def train(model):
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        x, y = data()
+        out = fit_eval_predict(model, x, y)
+        work = tempfile.mkdtemp(prefix="parity_save_")
+        path = os.path.join(work, "model.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        loaded.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        out["loaded/predict"] = np.asarray(loaded.predict(x, batch_size=BATCH, verbose=0))
+        model.save_weights(os.path.join(work, "w.weights.h5"))
+        model.load_weights(os.path.join(work, "w.weights.h5"))
+        out["reloaded/predict"] = np.asarray(model.predict(x, batch_size=BATCH, verbose=0))
+        return out
+
+    return build, train
+
+
+# -- running and comparing ----------------------------------------------------
+
+
+def run_case(name: str, strategy) -> tuple[dict, dict]:
+    """Runs case `name` through keras_dist on `strategy`, then as plain Keras.
+
+    Both start from the keras_dist model's initial weights (under
+    multi-worker training: the chief's, broadcast to every worker).
+    Returns (keras_dist results, plain Keras results), weights included.
+    """
+    make, _ = CASES[name]
+    build, train = make()
+    model = build(strategy)
+    if not isinstance(model, keras_dist.DistributedModel):
+        model = keras_dist.distribute(model, strategy)
+    initial = model.get_weights()
+    distributed = train(model)
+    distributed["weights"] = model.get_weights()
+    distributed["initial"] = initial
+
+    reference = build(None)
+    reference.set_weights(initial)
+    plain = train(reference)
+    plain["weights"] = reference.get_weights()
+    plain["initial"] = initial
+    return distributed, plain
+
+
+def flat(results: dict) -> dict:
+    """{name: array} with list values (weights) spread as name/i."""
+    out = {}
+    for key, value in results.items():
+        if isinstance(value, list):
+            for i, v in enumerate(value):
+                out[f"{key}/{i}"] = np.asarray(v)
+        else:
+            out[key] = np.asarray(value)
+    return out
+
+
+def compare(distributed: dict, plain: dict) -> list[str]:
+    """Differences beyond TOL, as readable lines (empty when equal)."""
+    a, b = flat(distributed), flat(plain)
+    problems = []
+    if a.keys() != b.keys():
+        problems.append(f"different results: {sorted(a.keys() ^ b.keys())}")
+    for key in sorted(a.keys() & b.keys()):
+        x, y = a[key], b[key]
+        if x.dtype.kind in "US" or y.dtype.kind in "US":
+            if not np.array_equal(x, y):
+                problems.append(f"{key}: {x} != {y}")
+            continue
+        if x.shape != y.shape:
+            problems.append(f"{key}: shape {x.shape} != {y.shape}")
+            continue
+        diff = float(np.max(np.abs(x.astype("float64") - y.astype("float64")))) if x.size else 0.0
+        if not diff <= TOL * max(1.0, float(np.max(np.abs(y))) if y.size else 1.0):
+            problems.append(f"{key}: max |difference| {diff:.3g}")
+    return problems
+
+
+def max_weight_difference(distributed: dict, plain: dict) -> float:
+    return max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(distributed["weights"], plain["weights"])
+    )
