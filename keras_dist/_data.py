@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -268,3 +270,63 @@ def array_dataset(strategy, x, y, sample_weight, batch_size, shuffle, seed):
         tf.data.experimental.AutoShardPolicy.DATA
     )
     return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
+
+
+# -- Python-made batches ------------------------------------------------------
+#
+# Under a strategy with several replicas, TensorFlow 2.21 can write into the
+# memory of a NumPy batch that a generator or a `keras.utils.PyDataset`
+# returns (measured: the targets array a PyDataset slices from was changed by
+# plain Keras' fit on MirroredStrategy, so a later fit on it trains on
+# corrupted data). Such batches are copied before TensorFlow sees them.
+
+
+def _copy_batch(batch):
+    return tf.nest.map_structure(
+        lambda v: np.array(v, copy=True) if isinstance(v, np.ndarray) else v,
+        batch,
+    )
+
+
+class _CopyingPyDataset(keras.utils.PyDataset):
+    """A `PyDataset` whose batches are copies of the wrapped one's."""
+
+    def __init__(self, inner):
+        super().__init__(
+            workers=inner.workers,
+            use_multiprocessing=inner.use_multiprocessing,
+            max_queue_size=inner.max_queue_size,
+        )
+        self.inner = inner
+
+    def __len__(self):
+        return len(self.inner)
+
+    @property
+    def num_batches(self):
+        return self.inner.num_batches
+
+    def __getitem__(self, index):
+        return _copy_batch(self.inner[index])
+
+    def on_epoch_begin(self):
+        self.inner.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.inner.on_epoch_end()
+
+
+def _copying_generator(generator):
+    for batch in generator:
+        yield _copy_batch(batch)
+
+
+def protect_python_batches(strategy: tf.distribute.Strategy, x):
+    """Wraps a generator or `PyDataset` so that its batches are copies."""
+    if strategy.num_replicas_in_sync < 2:
+        return x
+    if isinstance(x, keras.utils.PyDataset):
+        return _CopyingPyDataset(x)
+    if inspect.isgenerator(x):
+        return _copying_generator(x)
+    return x

@@ -70,15 +70,37 @@ def first_replica_batch(strategy: tf.distribute.Strategy, batch):
     return tf.nest.map_structure(local, batch)
 
 
+def _replica_spec(iterator):
+    """The spec of one replica's batch of a Keras epoch iterator, or None."""
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return None
+
+    def local(s):
+        values = getattr(s, "_value_specs", None)  # PerReplicaSpec
+        return values[0] if values else s
+
+    return tf.nest.map_structure(local, spec)
+
+
 def symbolic_build(model, iterator=None, data_batch=None) -> None:
-    """`TensorFlowTrainer._maybe_symbolic_build` without the reduce (fix 1)."""
+    """`TensorFlowTrainer._maybe_symbolic_build` without the reduce (fix 1).
+
+    Keras only reads the shapes and dtypes of the batch, so the input's
+    element spec stands in for it: no batch is taken from the input. (Keras
+    takes one, then starts a new iterator: a generator or `PyDataset`, which
+    both iterators read, then loses a timing-dependent number of batches.)
+    """
     strategy = model._distribute_strategy
     if strategy is None:
         return
     if iterator is not None:
-        for _, _, it in iterator:
-            data_batch = first_replica_batch(strategy, next(it))
-            break
+        data_batch = _replica_spec(iterator)
+        if data_batch is None:
+            for _, _, it in iterator:
+                data_batch = first_replica_batch(strategy, next(it))
+                break
     with strategy.scope():
         model._symbolic_build(data_batch=data_batch)
 
@@ -385,6 +407,12 @@ def counting_train_iterator(cursor):
     resumed run create the same number before it trains. Only the first
     `TFEpochIterator` of the `fit` call (the training one) is counted.
     """
+    if cursor.kind not in ("arrays", "dataset"):
+        # Generators and PyDatasets cannot be positioned, and Keras'
+        # PyDataset adapter feeds a later epoch wrongly from a wrapped
+        # distributed dataset: leave them to Keras.
+        yield
+        return
     original = keras_tf_trainer.TFEpochIterator.__init__
     seen = []
 

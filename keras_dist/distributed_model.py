@@ -317,6 +317,9 @@ class DistributedModel(keras.Model):
         batch_size = _data.global_batch_size(
             strategy, x, batch_size, per_replica_batch_size
         )
+        x = _data.protect_python_batches(strategy, x)
+        if validation_data is not None and not isinstance(validation_data, (tuple, list)):
+            validation_data = _data.protect_python_batches(strategy, validation_data)
         if validation_batch_size is not None:
             # Keras uses it for in-memory validation data only.
             _data.global_batch_size(
@@ -421,6 +424,19 @@ class DistributedModel(keras.Model):
         return super().train_on_batch(x, y, sample_weight=sample_weight,
                                       class_weight=class_weight, return_dict=return_dict)
 
+    def predict_on_batch(self, x):
+        """`keras.Model.predict_on_batch`: the batch is split over the replicas.
+
+        (Keras' own hands every replica the whole batch, so N replicas
+        return N copies of each prediction.)
+        """
+        replicas = self._kd_strategy.num_replicas_in_sync
+        if replicas == 1 or not _data.is_array_structure(x):
+            return super().predict_on_batch(x)
+        n = int(tf.nest.flatten(x)[0].shape[0])
+        size = -(-n // replicas) * replicas
+        return self.predict(x, batch_size=size, verbose=0)
+
     def _kd_verbose(self, verbose):
         """Progress output comes from the chief only."""
         return verbose if worker_info(self._kd_strategy).is_chief else 0
@@ -452,6 +468,7 @@ class DistributedModel(keras.Model):
     ):
         """`keras.Model.evaluate`, plus `per_replica_batch_size=`."""
         strategy = self._kd_strategy
+        x = _data.protect_python_batches(strategy, x)
         if not kwargs.get("_use_cached_eval_dataset", False):
             batch_size = _data.global_batch_size(
                 strategy, x, batch_size, per_replica_batch_size
@@ -492,6 +509,7 @@ class DistributedModel(keras.Model):
         batch_size = _data.global_batch_size(
             strategy, x, batch_size, per_replica_batch_size
         )
+        x = _data.protect_python_batches(strategy, x)
         dataset = _data.array_dataset(strategy, x, None, None, batch_size, False, None)
         if dataset is not None:
             x, batch_size = dataset, None

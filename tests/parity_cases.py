@@ -26,6 +26,9 @@ import keras_dist
 
 N, BATCH, D = 64, 16, 4
 TOL = 1e-5
+# Cases whose logged loss is Keras' distribution-scaled loss (see
+# tests/test_parity.py); their weights are compared exactly all the same.
+LOSS_SCALED_IN_LOGS = ("custom_train_step",)
 
 
 def data(n=N, d=D, classes=None):
@@ -125,6 +128,8 @@ def fit_eval_predict(model, x, y, fit_x=None, fit_y=None, **fit_kwargs):
     for i, p in enumerate(tf.nest.flatten(predictions)):
         out[f"predict/{i}"] = np.asarray(p)
     out["predict/structure"] = np.asarray(type(predictions).__name__)
+    if isinstance(predictions, dict):
+        out["predict/keys"] = np.asarray(sorted(predictions))
     return out
 
 
@@ -206,7 +211,8 @@ def _nested_io():
     def build(kd):
         a, b = keras.Input((2,)), keras.Input((2,))
         h = keras.layers.Dense(8, activation="relu")(keras.layers.Add()([a, b]))
-        return keras.Model([a, b], [keras.layers.Dense(1)(h), keras.layers.Dense(1)(h)])
+        return keras.Model([a, b], [keras.layers.Dense(1, name="first")(h),
+                                    keras.layers.Dense(1, name="second")(h)])
 
     def train(model):
         model.compile(keras.optimizers.SGD(0.05), ["mse", "mae"])
@@ -258,10 +264,12 @@ def _generator():
         def batches():
             while True:
                 for i in range(0, N, BATCH):
-                    yield x[i:i + BATCH], y[i:i + BATCH]
+                    yield x[i:i + BATCH], y[i:i + BATCH]  # views, as users write
 
-        return fit_eval_predict(model, x, y, fit_x=batches(), fit_y=None,
-                                steps_per_epoch=N // BATCH)
+        out = fit_eval_predict(model, x, y, fit_x=batches(), fit_y=None,
+                               steps_per_epoch=N // BATCH)
+        out["iterations"] = np.asarray(int(model.optimizer.iterations.numpy()))
+        return out
 
     return build, train
 
@@ -485,11 +493,11 @@ def _callbacks():
     def train(model):
         model.compile(keras.optimizers.SGD(0.2, momentum=0.9), "mse")
         x, y = data()
-        work = tempfile.mkdtemp(prefix="parity_callbacks_")
+        work = own_dir("callbacks")
+        best = os.path.join(shared_dir("callbacks"), "best.keras")
         callbacks = [
             keras.callbacks.EarlyStopping("val_loss", patience=1, restore_best_weights=True),
-            keras.callbacks.ModelCheckpoint(os.path.join(work, "best.keras"),
-                                            save_best_only=True),
+            keras.callbacks.ModelCheckpoint(best, save_best_only=True),
             keras.callbacks.ReduceLROnPlateau("val_loss", factor=0.5, patience=0),
             keras.callbacks.CSVLogger(os.path.join(work, "log.csv")),
             keras.callbacks.TensorBoard(os.path.join(work, "tb")),
@@ -498,9 +506,8 @@ def _callbacks():
         ]
         out = fit_eval_predict(model, x, y, epochs=8, validation_data=(x, y),
                                callbacks=callbacks)
-        if os.path.exists(os.path.join(work, "best.keras")):
-            best = keras.models.load_model(os.path.join(work, "best.keras"))
-            out["checkpoint/predict"] = np.asarray(best.predict(x, batch_size=BATCH, verbose=0))
+        loaded = keras.models.load_model(best)
+        out["checkpoint/predict"] = np.asarray(loaded.predict(x, batch_size=BATCH, verbose=0))
         out["csv_rows"] = np.asarray(
             len(open(os.path.join(work, "log.csv")).read().strip().splitlines())
         )
@@ -519,7 +526,7 @@ def _save_load():
         model.compile(keras.optimizers.Adam(0.01), "mse")
         x, y = data()
         out = fit_eval_predict(model, x, y)
-        work = tempfile.mkdtemp(prefix="parity_save_")
+        work = shared_dir("save_load")
         path = os.path.join(work, "model.keras")
         model.save(path)
         loaded = keras.models.load_model(path)
@@ -535,6 +542,29 @@ def _save_load():
 
 # -- running and comparing ----------------------------------------------------
 
+_mode = {"name": "plain", "base": None}
+
+
+def shared_dir(case_name: str) -> str:
+    """Where a case saves files a model reloads: shared by the workers of a
+    keras_dist run (only the chief's files are kept), private otherwise."""
+    if _mode["base"] is None:
+        _mode["base"] = os.environ.get("PARITY_WORKDIR") or tempfile.mkdtemp(
+            prefix="parity_"
+        )
+    own = "" if _mode["name"] == "keras_dist" else f"-{os.getpid()}"
+    path = os.path.join(_mode["base"], f"{_mode['name']}{own}", case_name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def own_dir(case_name: str) -> str:
+    """A directory this process alone writes (logs)."""
+    path = os.path.join(shared_dir(case_name), f"process-{os.getpid()}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 
 def run_case(name: str, strategy) -> tuple[dict, dict]:
     """Runs case `name` through keras_dist on `strategy`, then as plain Keras.
@@ -545,6 +575,7 @@ def run_case(name: str, strategy) -> tuple[dict, dict]:
     """
     make, _ = CASES[name]
     build, train = make()
+    _mode["name"] = "keras_dist"
     model = build(strategy)
     if not isinstance(model, keras_dist.DistributedModel):
         model = keras_dist.distribute(model, strategy)
@@ -553,6 +584,7 @@ def run_case(name: str, strategy) -> tuple[dict, dict]:
     distributed["weights"] = model.get_weights()
     distributed["initial"] = initial
 
+    _mode["name"] = "plain"
     reference = build(None)
     reference.set_weights(initial)
     plain = train(reference)

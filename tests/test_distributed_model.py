@@ -453,7 +453,7 @@ def test_save_and_load_round_trip(tmp_path, kind):
         # distribute() keeps the user's class: the file loads as that class,
         # as with plain Keras, and is distributed again in one call.
         assert type(loaded) is Plain
-        loaded = keras_dist.distribute(loaded)
+        loaded = keras_dist.distribute(loaded, two_replicas())
     assert isinstance(loaded, keras_dist.DistributedModel)
     assert loaded.distribute_strategy is two_replicas()
     np.testing.assert_allclose(loaded.predict(x, batch_size=16, verbose=0),
@@ -491,3 +491,50 @@ def test_mixed_precision(policy, spec):
     if policy == "mixed_float16":
         assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     assert history.history["loss"][-1] < history.history["loss"][0]
+
+
+# -- Python-made batches -------------------------------------------------------
+
+
+class SliceBatches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch_size):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return len(self.x) // self.batch_size
+
+    def __getitem__(self, i):
+        s = slice(i * self.batch_size, (i + 1) * self.batch_size)
+        return self.x[s], self.y[s]
+
+
+def aligned(array: np.ndarray) -> np.ndarray:
+    """A copy on 64-byte aligned memory (TensorFlow then shares it, not copies)."""
+    buffer = np.empty(array.nbytes + 64, np.uint8)
+    offset = (-buffer.ctypes.data) % 64
+    out = buffer[offset:offset + array.nbytes].view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return out
+
+
+@pytest.mark.parametrize("kind", ["py_dataset", "generator", "arrays"])
+def test_python_batches_are_never_written_into(kind):
+    """TF 2.21 on several replicas wrote into NumPy batches (views of y)."""
+    x, y = (aligned(a) for a in regression_data(n=64))
+    x0, y0 = x.copy(), y.copy()
+    model = keras_dist.distribute(mlp(), two_replicas())
+    model.compile("sgd", "mse")
+    for _ in range(3):
+        if kind == "py_dataset":
+            data = SliceBatches(x, y, 16)
+            model.fit(data, epochs=2, verbose=0)
+        elif kind == "generator":
+            data = ((x[i:i + 16], y[i:i + 16]) for _ in range(2) for i in range(0, 64, 16))
+            model.fit(data, steps_per_epoch=4, epochs=2, verbose=0)
+        else:
+            model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+            model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        model.evaluate(SliceBatches(x, y, 16), verbose=0)
+        model.predict(SliceBatches(x, y, 16), verbose=0)
+    assert np.array_equal(x, x0) and np.array_equal(y, y0)

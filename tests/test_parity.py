@@ -5,17 +5,22 @@ each must give the same history, evaluation, predictions and weights as
 plain Keras on one device (within 1e-5).
 """
 
+import numpy as np
 import pytest
 
 from helpers import two_replicas
-from parity_cases import CASES, compare, run_case
+from parity_cases import CASES, LOSS_SCALED_IN_LOGS, compare, run_case
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_two_replicas_match_plain_keras(name):
     distributed, plain = run_case(name, two_replicas())
-    assert distributed["predict/structure"] == plain["predict/structure"] or (
-        "predict/structure" not in plain
-    )
+    if name in LOSS_SCALED_IN_LOGS:
+        # Deliberate difference (Keras' own under any strategy): a custom
+        # train_step that logs `compute_loss(...)` logs the loss Keras scales
+        # by 1 / replicas for summing gradients. The weights are equal.
+        np.testing.assert_allclose(
+            distributed.pop("history/loss") * 2, plain.pop("history/loss"), rtol=1e-5
+        )
     problems = compare(distributed, plain)
     assert not problems, f"{name}: " + "; ".join(problems)

@@ -655,7 +655,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             # Keras resets the metrics just before on_epoch_begin: the
             # running means of the interrupted epoch are restored now.
             metrics = list(self.model.metrics_variables)
-            if metrics and self._describe(metrics) == state["variables"].get("metrics"):
+            # At step 0 (a backup taken at an epoch's end) the epoch starts
+            # with fresh running means, as Keras just reset them.
+            if (
+                metrics
+                and int(state["position"]["step"]) > 0
+                and self._describe(metrics) == state["variables"].get("metrics")
+            ):
                 tf.train.Checkpoint(metrics=metrics).read(
                     os.path.join(self._resume_dir, "variables")
                 ).expect_partial()

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import keras_dist
 from helpers import max_abs_diff
+from helpers import mlp
 from helpers import regression_data
 from keras_dist import _backup_store as store
 from keras_dist.callbacks import BackupAndRestore
@@ -407,3 +408,54 @@ def test_state_file_records_position_and_seed(crashed_once):
     assert isinstance(state["data"]["seed"], int)
     names = [v[0] for v in state["variables"]["optimizer"]]
     assert names[0].endswith("/iteration") and names[1].endswith("/learning_rate")
+
+
+# -- Keras' own usage ----------------------------------------------------------
+
+
+class InterruptAt(keras.callbacks.Callback):
+    """Raises in `hook` at `epoch` (a failure between two epochs)."""
+
+    def __init__(self, hook, epoch):
+        super().__init__()
+        self.hook, self.epoch = hook, epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.hook == "begin" and epoch == self.epoch:
+            raise RuntimeError("Interrupting!")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.hook == "end" and epoch == self.epoch:
+            raise RuntimeError("Interrupting!")
+
+
+def test_keras_docstring_example_resumes_with_the_same_callback(tmp_path):
+    """keras.callbacks.BackupAndRestore's example, on a plain model."""
+    callback = BackupAndRestore(backup_dir=str(tmp_path / "backup"))
+    model = keras.models.Sequential([keras.layers.Dense(10)])
+    model.compile(keras.optimizers.SGD(), loss="mse")
+    x, y = np.arange(100).reshape(5, 20), np.zeros(5)
+    with pytest.raises(RuntimeError, match="Interrupting"):
+        model.fit(x, y, epochs=10, batch_size=1, verbose=0,
+                  callbacks=[callback, InterruptAt("begin", 4)])
+    history = model.fit(x, y, epochs=10, batch_size=1, verbose=0, callbacks=[callback])
+    assert len(history.history["loss"]) == 6
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_a_finished_epoch_is_never_repeated(tmp_path, distributed):
+    """Another callback's on_epoch_end raises: the epoch was committed."""
+    x, y = regression_data(n=32)
+    model = mlp()
+    if distributed:
+        model = keras_dist.distribute(model, "mirrored")
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    backup_dir = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="Interrupting"):
+        model.fit(x, y, batch_size=8, epochs=4, verbose=0, shuffle=False, callbacks=[
+            BackupAndRestore(backup_dir), InterruptAt("end", 1)])
+    assert int(model.optimizer.iterations.numpy()) == 8
+    history = model.fit(x, y, batch_size=8, epochs=4, verbose=0, shuffle=False,
+                        callbacks=[BackupAndRestore(backup_dir)])
+    assert len(history.history["loss"]) == 2  # epochs 3 and 4 only
+    assert int(model.optimizer.iterations.numpy()) == 16

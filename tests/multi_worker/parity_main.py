@@ -1,0 +1,39 @@
+"""One worker of the 2-worker parity job (tests/parity_cases.py).
+
+Usage: parity_main.py OUT_DIR CASE [CASE ...]
+Nothing is seeded. For each case the worker trains through keras_dist on
+MultiWorkerMirroredStrategy (the model built with plain Keras first, as
+users do), then plain Keras on one device from the same initial weights,
+and writes both to OUT_DIR/rank{R}.npz.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras_dist  # noqa: F401  (first, as users write it)
+
+import numpy as np  # noqa: E402
+import parity_cases  # noqa: E402
+
+out_dir, names = sys.argv[1], sys.argv[2:]
+results = {}
+strategy = None
+for name in names:
+    # The first case builds its layers before any keras_dist call creates
+    # the strategy; later cases find it cached.
+    distributed, plain = parity_cases.run_case(name, strategy or "auto")
+    if strategy is None:
+        from keras_dist.strategy import resolve_strategy, worker_info
+
+        strategy = resolve_strategy("auto")
+        rank = worker_info(strategy).rank
+    for key, value in parity_cases.flat(distributed).items():
+        results[f"{name}/keras_dist/{key}"] = value
+    for key, value in parity_cases.flat(plain).items():
+        results[f"{name}/plain/{key}"] = value
+    print(f"case {name} done", flush=True)
+print(keras_dist.describe(strategy), flush=True)
+os.makedirs(out_dir, exist_ok=True)
+np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
