@@ -241,6 +241,14 @@ class DistributedModel(keras.Model):
     def build_from_config(self, config):
         with _scope(self._kd_strategy):
             super().build_from_config(config)
+            if not self.built and config and config.get("input_shape"):
+                # Keras' build() of a subclassed model creates its weights but
+                # leaves it unbuilt, so loading weights into it (keras-tuner's
+                # best models, Hyperband's continued trials) fails: call it once.
+                self(keras.tree.map_shape_structure(
+                    lambda shape: keras.ops.zeros([1 if d is None else d for d in shape]),
+                    config["input_shape"],
+                ))
 
     def compile_from_config(self, config):
         # Keras skips this for models that override `compile`; ours keeps

@@ -6,7 +6,9 @@ plus `DistributedTuner`'s keyword-only `strategy`, `connect_timeout`,
 """
 
 import keras_tuner
+from keras_tuner.src import utils as kt_utils
 
+from keras_dist.distributed_model import distribute
 from keras_dist.tuner.distributed_tuner import DistributedTuner
 
 
@@ -60,6 +62,21 @@ class Hyperband(DistributedTuner, keras_tuner.Hyperband):
             build_model, objective="val_accuracy", max_epochs=9)
         ```
     """
+
+    def _build_hypermodel(self, hp):
+        # keras-tuner's, except that the model is on the strategy before a
+        # continued trial's weights are loaded into it: a subclassed model
+        # cannot be built for loading otherwise (keras-tuner fails there).
+        model = keras_tuner.Tuner._build_hypermodel(self, hp)
+        if self._kd_strategy is not None:
+            model = distribute(model, self._kd_strategy)
+        if "tuner/trial_id" in hp.values:
+            trial_id = hp.values["tuner/trial_id"]
+            model.build_from_config(
+                kt_utils.load_json(self._get_build_config_fname(trial_id))
+            )
+            model.load_weights(self._get_checkpoint_fname(trial_id))
+        return model
 
 
 class GridSearch(DistributedTuner, keras_tuner.GridSearch):
