@@ -88,9 +88,8 @@ def symbolic_build(model, iterator=None, data_batch=None) -> None:
     """`TensorFlowTrainer._maybe_symbolic_build` without the reduce (fix 1).
 
     Keras only reads the shapes and dtypes of the batch, so the input's
-    element spec stands in for it: no batch is taken from the input. (Keras
-    takes one, then starts a new iterator: a generator or `PyDataset`, which
-    both iterators read, then loses a timing-dependent number of batches.)
+    element spec stands in for it: no batch is read (Keras reads one, a
+    collective under multi-worker training, then restarts the iterator).
     """
     strategy = model._distribute_strategy
     if strategy is None:

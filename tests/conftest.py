@@ -16,5 +16,6 @@ collect_ignore = [
     "multi_worker/worker_main.py",
     "multi_worker/backup_main.py",
     "multi_worker/search_main.py",
+    "multi_worker/parity_main.py",
     "dtensor/golden_main.py",
 ]

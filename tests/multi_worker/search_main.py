@@ -36,7 +36,8 @@ y = (x @ rs.randn(6, 1)).astype("float32")
 
 
 def build(hp):
-    keras.utils.set_random_seed(0)
+    if opts.get("unseeded") != "1":
+        keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input((6,)),
         keras.layers.Dense(hp.Int("units", 4, 64), activation="relu"),
@@ -57,7 +58,15 @@ class Search(RandomSearch):
         if tuner_id == opts.get("die") and Search.runs == int(opts.get("die_at", 2)):
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(float(opts.get("sleep", 0)))
-        return super().run_trial(trial, *args, **kwargs)
+        result = super().run_trial(trial, *args, **kwargs)
+        weights = sum(float(np.sum(w)) for w in self._last_model.get_weights())
+        with open(os.path.join(out_dir, f"weights-{label}.txt"), "a") as f:
+            f.write(f"{trial.trial_id} {weights!r}\n")
+        return result
+
+    def _try_build(self, hp):
+        self._last_model = super()._try_build(hp)
+        return self._last_model
 
 
 tuner = Search(

@@ -25,13 +25,9 @@ def split(results: dict, name: str, kind: str) -> dict:
     return {k[len(prefix):]: results[k] for k in results if k.startswith(prefix)}
 
 
-def test_two_unseeded_workers_match_plain_keras(tmp_path):
-    names = sorted(CASES)
-    # The first case builds its layers before keras_dist creates the strategy.
-    names.remove("functional_form")
-    names.insert(0, "functional_form")
+def run_and_compare(tmp_path, names, first=()):
     with mock.patch.dict(os.environ, {"PARITY_WORKDIR": str(tmp_path / "work")}):
-        run_workers(WORKER, [str(tmp_path / "out"), *names], timeout=560)
+        run_workers(WORKER, [str(tmp_path / "out"), *first, *names], timeout=560)
     ranks = [dict(np.load(tmp_path / "out" / f"rank{r}.npz")) for r in (0, 1)]
     problems = []
     for name in names:
@@ -55,4 +51,21 @@ def test_two_unseeded_workers_match_plain_keras(tmp_path):
             if not np.array_equal(a, b):
                 problems.append(f"{name}: workers ended with different weights")
                 break
+    return problems
+
+
+def test_two_unseeded_workers_match_plain_keras(tmp_path):
+    names = sorted(CASES)
+    # The first case builds its layers before keras_dist creates the strategy.
+    names.remove("functional_form")
+    names.insert(0, "functional_form")
+    problems = run_and_compare(tmp_path, names)
+    assert not problems, "\n".join(problems)
+
+
+def test_models_built_after_the_strategy_start_identical(tmp_path):
+    """The strategy first, then unseeded models converted: same start everywhere."""
+    problems = run_and_compare(
+        tmp_path, ["functional_form", "numpy", "subclassed"], first=["--strategy-first"]
+    )
     assert not problems, "\n".join(problems)

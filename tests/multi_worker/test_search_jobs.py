@@ -92,11 +92,15 @@ def test_without_retries_the_dead_workers_trial_is_failed(tmp_path):
 
 def test_a_trial_group_of_two_workers_runs_each_trial_together(tmp_path):
     job = tune(tmp_path, "--num-workers", "2", "--workers-per-trial", "2",
-               args=["trials=3"])
+               args=["trials=3", "unseeded=1"])
     assert job.returncode == 0, explain(job)
     assert summary(tmp_path)["trials"] == {str(i): "COMPLETED" for i in range(3)}
     started = runs(tmp_path)
     assert started == {"tuner0-0": ["0", "1", "2"], "tuner0-1": ["0", "1", "2"]}
+    # No seed anywhere: both members of the group end each trial identical.
+    weights = [(tmp_path / f"weights-tuner0-{r}.txt").read_text().split("\n")
+               for r in (0, 1)]
+    assert weights[0] == weights[1] and len(weights[0]) == 4, weights
 
 
 def test_a_restarted_chief_resumes_the_search(tmp_path):
