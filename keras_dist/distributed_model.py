@@ -673,48 +673,43 @@ def _split(arrays, validation_split):
     return train, val
 
 
+class _KerasModelConfig:
+    """Keras' config round trip of `_kd_keras_class`, plus `sync_batch_norm`."""
+
+    _kd_keras_class: type
+
+    def get_config(self) -> dict[str, Any]:
+        config = self._kd_keras_class.get_config(self)
+        if not self._kd_sync_batch_norm:
+            config["sync_batch_norm"] = False
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        sync = config.pop("sync_batch_norm", True)
+        # Keras builds each layer from its build config as it deserializes
+        # it: under the scope, so that its variables land on the strategy.
+        with _scope(resolve_strategy("auto")):
+            model = cls._kd_keras_class.from_config.__func__(
+                cls, config, custom_objects
+            )
+        model._kd_sync_batch_norm = sync
+        return model
+
+
 @keras.saving.register_keras_serializable(package="keras_dist")
-class DistributedFunctional(DistributedModel, Functional):
+class DistributedFunctional(_KerasModelConfig, DistributedModel, Functional):
     """What `DistributedModel(inputs, outputs)` builds."""
 
-    def get_config(self) -> dict[str, Any]:
-        config = Functional.get_config(self)
-        if not self._kd_sync_batch_norm:
-            config["sync_batch_norm"] = False
-        return config
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        sync = config.pop("sync_batch_norm", True)
-        # Keras builds each layer from its build config as it deserializes
-        # it: under the scope, so that its variables land on the strategy.
-        with _scope(resolve_strategy("auto")):
-            model = Functional.from_config.__func__(cls, config, custom_objects)
-        model._kd_sync_batch_norm = sync
-        return model
+    _kd_keras_class = Functional
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
-class DistributedSequential(DistributedModel, keras.Sequential):
+class DistributedSequential(_KerasModelConfig, DistributedModel, keras.Sequential):
     """What `distribute()` makes of a `keras.Sequential` model."""
 
-    def get_config(self) -> dict[str, Any]:
-        config = keras.Sequential.get_config(self)
-        if not self._kd_sync_batch_norm:
-            config["sync_batch_norm"] = False
-        return config
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        sync = config.pop("sync_batch_norm", True)
-        # Keras builds each layer from its build config as it deserializes
-        # it: under the scope, so that its variables land on the strategy.
-        with _scope(resolve_strategy("auto")):
-            model = keras.Sequential.from_config.__func__(cls, config, custom_objects)
-        model._kd_sync_batch_norm = sync
-        return model
+    _kd_keras_class = keras.Sequential
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")

@@ -46,6 +46,12 @@ def mlp_layers(inputs, units=8):
     return keras.layers.Dense(1)(h)
 
 
+def functional_mlp(kd=None):
+    """A functional MLP, built with plain Keras (`kd` is ignored)."""
+    inputs = keras.Input((D,))
+    return keras.Model(inputs, mlp_layers(inputs))
+
+
 class Scale(keras.layers.Layer):
     """A custom layer without `get_config`, taking a non-serializable argument."""
 
@@ -150,9 +156,7 @@ def case(name, row):
 
 @case("numpy", "numpy input, `evaluate`, `predict`")
 def _numpy():
-    def build(kd):
-        inputs = keras.Input((D,))
-        return keras.Model(inputs, mlp_layers(inputs))
+    build = functional_mlp
 
     def train(model):
         model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", metrics=["mae"])
@@ -224,9 +228,7 @@ def _nested_io():
 
 @case("tf_data", "`tf.data.Dataset` input")
 def _tf_data():
-    def build(kd):
-        inputs = keras.Input((D,))
-        return keras.Model(inputs, mlp_layers(inputs))
+    build = functional_mlp
 
     def train(model):
         model.compile(keras.optimizers.SGD(0.05), "mse")
@@ -239,9 +241,7 @@ def _tf_data():
 
 @case("py_dataset", "`keras.utils.PyDataset` input")
 def _py_dataset():
-    def build(kd):
-        inputs = keras.Input((D,))
-        return keras.Model(inputs, mlp_layers(inputs))
+    build = functional_mlp
 
     def train(model):
         model.compile(keras.optimizers.SGD(0.05), "mse")
@@ -253,9 +253,7 @@ def _py_dataset():
 
 @case("generator", "Python generator input with `steps_per_epoch`")
 def _generator():
-    def build(kd):
-        inputs = keras.Input((D,))
-        return keras.Model(inputs, mlp_layers(inputs))
+    build = functional_mlp
 
     def train(model):
         model.compile(keras.optimizers.SGD(0.05), "mse")
@@ -276,9 +274,7 @@ def _generator():
 
 @case("sample_weight", "`sample_weight`")
 def _sample_weight():
-    def build(kd):
-        inputs = keras.Input((D,))
-        return keras.Model(inputs, mlp_layers(inputs))
+    build = functional_mlp
 
     def train(model):
         model.compile(keras.optimizers.SGD(0.05), "mse", weighted_metrics=["mae"])
@@ -307,9 +303,7 @@ def _class_weight():
 
 @case("validation", "`validation_split`, `validation_data`, `validation_freq`")
 def _validation():
-    def build(kd):
-        inputs = keras.Input((D,))
-        return keras.Model(inputs, mlp_layers(inputs))
+    build = functional_mlp
 
     def train(model):
         model.compile(keras.optimizers.SGD(0.05), "mse", metrics=["mae"])
@@ -326,9 +320,7 @@ def _validation():
 
 @case("epochs_and_steps", "`initial_epoch`, `steps_per_epoch` on a repeated dataset")
 def _epochs_and_steps():
-    def build(kd):
-        inputs = keras.Input((D,))
-        return keras.Model(inputs, mlp_layers(inputs))
+    build = functional_mlp
 
     def train(model):
         model.compile(keras.optimizers.SGD(0.05), "mse")
@@ -344,9 +336,7 @@ def _epochs_and_steps():
 
 @case("on_batch", "`train_on_batch`, `test_on_batch`, `predict_on_batch`")
 def _on_batch():
-    def build(kd):
-        inputs = keras.Input((D,))
-        return keras.Model(inputs, mlp_layers(inputs))
+    build = functional_mlp
 
     def train(model):
         model.compile(keras.optimizers.SGD(0.05), "mse", metrics=["mae"])
@@ -454,9 +444,7 @@ def _sequential_batch_norm():
 
 @case("uneven_last_batch", "uneven last batch (69 samples, batch 16)")
 def _uneven_last_batch():
-    def build(kd):
-        inputs = keras.Input((D,))
-        return keras.Model(inputs, mlp_layers(inputs))
+    build = functional_mlp
 
     def train(model):
         model.compile(keras.optimizers.SGD(0.05), "mse")
@@ -486,9 +474,7 @@ def _compiled_first():
 @case("callbacks", "EarlyStopping(restore_best_weights), ModelCheckpoint, "
       "ReduceLROnPlateau, CSVLogger, TensorBoard, TerminateOnNaN, LearningRateScheduler")
 def _callbacks():
-    def build(kd):
-        inputs = keras.Input((D,))
-        return keras.Model(inputs, mlp_layers(inputs))
+    build = functional_mlp
 
     def train(model):
         model.compile(keras.optimizers.SGD(0.2, momentum=0.9), "mse")
@@ -518,9 +504,7 @@ def _callbacks():
 
 @case("save_load", "`.keras` save / load, `save_weights` / `load_weights`")
 def _save_load():
-    def build(kd):
-        inputs = keras.Input((D,))
-        return keras.Model(inputs, mlp_layers(inputs))
+    build = functional_mlp
 
     def train(model):
         model.compile(keras.optimizers.Adam(0.01), "mse")

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import keras_dist
 from helpers import max_abs_diff, mlp, optimizer, regression_data, two_replicas
+from parity_cases import Batches
 
 TOL = 1e-5
 
@@ -498,19 +499,6 @@ def test_mixed_precision(policy, spec):
 # -- Python-made batches -------------------------------------------------------
 
 
-class SliceBatches(keras.utils.PyDataset):
-    def __init__(self, x, y, batch_size):
-        super().__init__()
-        self.x, self.y, self.batch_size = x, y, batch_size
-
-    def __len__(self):
-        return len(self.x) // self.batch_size
-
-    def __getitem__(self, i):
-        s = slice(i * self.batch_size, (i + 1) * self.batch_size)
-        return self.x[s], self.y[s]
-
-
 def aligned(array: np.ndarray) -> np.ndarray:
     """A copy on 64-byte aligned memory (TensorFlow then shares it, not copies)."""
     buffer = np.empty(array.nbytes + 64, np.uint8)
@@ -529,7 +517,7 @@ def test_python_batches_are_never_written_into(kind):
     model.compile("sgd", "mse")
     for _ in range(3):
         if kind == "py_dataset":
-            data = SliceBatches(x, y, 16)
+            data = Batches(x, y, 16)
             model.fit(data, epochs=2, verbose=0)
         elif kind == "generator":
             data = ((x[i:i + 16], y[i:i + 16]) for _ in range(2) for i in range(0, 64, 16))
@@ -537,6 +525,6 @@ def test_python_batches_are_never_written_into(kind):
         else:
             model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
             model.fit(x, y, batch_size=16, epochs=2, verbose=0)
-        model.evaluate(SliceBatches(x, y, 16), verbose=0)
-        model.predict(SliceBatches(x, y, 16), verbose=0)
+        model.evaluate(Batches(x, y, 16), verbose=0)
+        model.predict(Batches(x, y, 16), verbose=0)
     assert np.array_equal(x, x0) and np.array_equal(y, y0)
