@@ -528,3 +528,49 @@ def test_python_batches_are_never_written_into(kind):
         model.evaluate(Batches(x, y, 16), verbose=0)
         model.predict(Batches(x, y, 16), verbose=0)
     assert np.array_equal(x, x0) and np.array_equal(y, y0)
+
+
+# -- objects Keras users make, with no config round trip -----------------------
+
+
+class MeanSquared(keras.metrics.Mean):
+    """A custom metric whose constructor takes no config."""
+
+    def __init__(self):
+        super().__init__(name="mse")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        return super().update_state(tf.square(y_true - y_pred))
+
+
+class CustomStepModel(keras_dist.DistributedModel):
+    """Keras' "customizing fit()" pattern, deriving from DistributedModel."""
+
+    steps = 0
+
+    def train_step(self, data):
+        CustomStepModel.steps += 1
+        return super().train_step(data)
+
+
+def test_user_objects_need_no_config():
+    x, y = regression_data(n=32)
+    metric = MeanSquared()
+    # A subclass used functionally, on layers built first.
+    inputs = keras.Input((6,))
+    model = CustomStepModel(inputs, keras.layers.Dense(1)(inputs), strategy=two_replicas())
+    model.compile(keras.optimizers.SGD(0.1), lambda t, p: tf.reduce_mean(tf.abs(t - p)),
+                  metrics=[metric])
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    assert CustomStepModel.steps > 0 and "mse" in history.history
+    # A compiled model whose compile config cannot be serialized (a lambda
+    # loss), converted after compile; and an empty Sequential.
+    compiled = mlp()
+    compiled.compile("sgd", lambda t, p: tf.reduce_mean(tf.square(t - p)))
+    compiled = keras_dist.distribute(compiled, two_replicas())
+    compiled.fit(x, y, batch_size=8, verbose=0)
+    empty = keras_dist.distribute(keras.Sequential(), two_replicas())
+    empty.add(keras.layers.Dense(1))
+    empty.compile("sgd", "mse")
+    empty.fit(x, y, batch_size=8, verbose=0)
+    assert all(isinstance(v.value, tf.distribute.DistributedValues) for v in empty.weights)
