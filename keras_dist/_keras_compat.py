@@ -407,10 +407,7 @@ def counting_train_iterator(cursor):
     `TFEpochIterator` of the `fit` call (the training one) is counted.
     """
     if cursor.kind not in ("arrays", "dataset"):
-        # Generators and PyDatasets cannot be positioned, and Keras'
-        # PyDataset adapter feeds a later epoch wrongly from a wrapped
-        # distributed dataset: leave them to Keras.
-        yield
+        yield  # generators and PyDatasets cannot be positioned: nothing to count
         return
     original = keras_tf_trainer.TFEpochIterator.__init__
     seen = []
@@ -488,6 +485,23 @@ def move_variables(variables, values, strategy: tf.distribute.Strategy) -> int:
             variable._initialize(value)
             moved += 1
     return moved
+
+
+def move_onto(strategy, variables, optimizer=None, values=None) -> None:
+    """Moves variables (and the optimizer that updates them) onto `strategy`.
+
+    `values`: host copies taken earlier (see `snapshot`); by default they
+    are read now. The optimizer's updates are routed through `strategy` and
+    its per-variable lookups follow the moved storage.
+    """
+    keys = optimizer_keys(optimizer)
+    if optimizer is not None:
+        set_optimizer_strategy(optimizer, strategy)
+    if values is None:
+        variables = [v for v in variables if not on_strategy(v, strategy)]
+        values = snapshot(variables)
+    move_variables(variables, values, strategy)
+    rekey_optimizers(keys)
 
 
 def optimizers_of(optimizer) -> list:

@@ -151,7 +151,7 @@ class DistributedModel(keras.Model):
             graph_variables = _graph_variables(args, kwargs)
             values = _keras_compat.snapshot(graph_variables)
         resolved = resolve_strategy(strategy)
-        _keras_compat.move_variables(graph_variables, values, resolved)
+        _keras_compat.move_onto(resolved, graph_variables, values=values)
         # Set before Keras' __init__, which may build (and so read it).
         object.__setattr__(self, "_kd_strategy", resolved)
         with _scope(resolved):
@@ -186,19 +186,12 @@ class DistributedModel(keras.Model):
             return obj
         if isinstance(obj, keras.optimizers.Optimizer):
             if not _keras_compat.optimizer_on_strategy(obj, strategy):
-                keys = _keras_compat.optimizer_keys(obj)
-                _keras_compat.set_optimizer_strategy(obj, strategy)
-                variables = _keras_compat.optimizer_variables(obj)
-                _keras_compat.move_variables(
-                    variables, _keras_compat.snapshot(variables), strategy
+                _keras_compat.move_onto(
+                    strategy, _keras_compat.optimizer_variables(obj), optimizer=obj
                 )
-                _keras_compat.rekey_optimizers(keys)
             return obj
         if isinstance(obj, keras.metrics.Metric):
-            variables = list(obj.variables)
-            _keras_compat.move_variables(
-                variables, _keras_compat.snapshot(variables), strategy
-            )
+            _keras_compat.move_onto(strategy, obj.variables)
             return obj
         if isinstance(obj, (list, tuple)):
             for o in obj:
@@ -845,12 +838,9 @@ def distribute(
     model._kd_sync_batch_norm = sync_batch_norm
     model._distribute_strategy = None if is_default(resolved) else resolved
     _wrap_build(model)
-    optimizer = getattr(model, "optimizer", None)
-    keys = _keras_compat.optimizer_keys(optimizer)
-    if optimizer is not None:
-        _keras_compat.set_optimizer_strategy(optimizer, resolved)
-    _keras_compat.move_variables(variables, values, resolved)
-    _keras_compat.rekey_optimizers(keys)
+    _keras_compat.move_onto(
+        resolved, variables, optimizer=getattr(model, "optimizer", None), values=values
+    )
     _keras_compat.reset_compiled_functions(model)
     model._kd_prepare_layers()
     return model
