@@ -397,14 +397,20 @@ class LearningRateScaler(keras.callbacks.Callback):
 
         def original_config(_optimizer=optimizer, _installed=installed):
             # Saves made during fit describe the optimizer as it was built.
-            scaled = (_optimizer._learning_rate, _optimizer.momentum)
+            # Only SGD with momentum_correction has its momentum replaced;
+            # other optimizers (Adam, RMSprop, ...) may have no momentum.
+            corrected = _installed["momentum"] is not None
+            scaled_rate = _optimizer._learning_rate
+            scaled_momentum = _optimizer.momentum if corrected else None
             _optimizer._learning_rate = _installed["rate"]
-            if _installed["momentum"] is not None:
+            if corrected:
                 _optimizer.momentum = _installed["momentum"]
             try:
                 return type(_optimizer).get_config(_optimizer)
             finally:
-                _optimizer._learning_rate, _optimizer.momentum = scaled
+                _optimizer._learning_rate = scaled_rate
+                if corrected:
+                    _optimizer.momentum = scaled_momentum
 
         optimizer.get_config = original_config
         installed["ramp"] = ramp
