@@ -6,12 +6,37 @@ import numbers
 import os
 
 
-def check_script(script, kind: str) -> None:
+def check_script(script, kind: str, module: bool = False) -> None:
+    if module:
+        if not isinstance(script, str) or not _module_exists(script):
+            raise ValueError(
+                "Invalid value for argument `script` with module=True (-m): "
+                f"no module of that name is importable from {os.getcwd()}. "
+                f"Received: script={script!r}. Pass a module name such as "
+                "`train` or `mypackage.train` (run from the directory that "
+                "contains it, or install it)."
+            )
+        return
     if not isinstance(script, (str, os.PathLike)) or not os.path.isfile(script):
         raise ValueError(
             "Invalid value for argument `script`: no such file. Received: "
-            f"script={script!r}. Pass the path of the {kind} script."
+            f"script={script!r}. Pass the path of the {kind} script (or a "
+            "module name with module=True, -m on the command line)."
         )
+
+
+def _module_exists(name: str) -> bool:
+    """Whether `python -m name`, run from the current directory, finds it."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+    finally:
+        sys.path.remove(os.getcwd())
 
 
 def check_seconds(name: str, value) -> None:

@@ -6,6 +6,10 @@ import json
 import os
 import socket
 
+# Set by `keras-dist launch` / `keras-dist tune` in the processes they start:
+# keras_dist then prints "[keras-dist] ..." progress lines for the console.
+LAUNCHED_ENV = "KERAS_DIST_LAUNCHED"
+
 
 def loopback_ports(count: int) -> list[int]:
     """Distinct free ports on 127.0.0.1, chosen by the kernel.
@@ -24,6 +28,37 @@ def loopback_ports(count: int) -> list[int]:
     finally:
         for s in sockets:
             s.close()
+
+
+def consecutive_ports(first, count: int) -> list[int]:
+    """`first`, `first + 1`, ... on 127.0.0.1, each checked free now.
+
+    Raises:
+        ValueError: naming `port`, for a bad number or a port in use.
+    """
+    if (
+        not isinstance(first, int)
+        or isinstance(first, bool)
+        or not 1024 <= first <= 65535 - count + 1
+    ):
+        raise ValueError(
+            "Invalid value for argument `port`. Expected an integer from 1024 "
+            f"to {65535 - count + 1} (the workers use port, port + 1, ..., "
+            f"port + {count - 1}). Received: port={first!r}."
+        )
+    ports = list(range(first, first + count))
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                raise ValueError(
+                    f"Invalid value for argument `port`: 127.0.0.1:{port} is "
+                    f"in use (the workers need ports {ports[0]}-{ports[-1]}). "
+                    f"Received: port={first!r}. Choose another port, or "
+                    "leave it out for free ports chosen by the system."
+                ) from None
+    return ports
 
 
 def tf_config(workers: list[str], index: int) -> str:

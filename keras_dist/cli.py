@@ -5,19 +5,67 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 
 from keras_dist.launcher import launch, planned_tf_configs
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the examples' line breaks and shows each option's set default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        shown = not any(action.default is v for v in (None, False, argparse.SUPPRESS))
+        if shown and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+_LAUNCH_EXAMPLES = """\
+examples:
+  keras-dist launch --num-workers 2 train.py --epochs 3
+      2 workers on 127.0.0.1; everything after the script goes to it
+  keras-dist launch --num-workers 2 -m mypackage.train -- --epochs 3
+      run a module (python -m); "--" ends keras-dist's own options
+  keras-dist launch --num-workers 2 --max-restarts 3 --log-dir logs train.py
+      restart the group after a failure (resume with BackupAndRestore);
+      per-worker logs in logs/worker-<rank>.log
+  keras-dist launch --hosts n1:2222,n2:2222 --rank 0 train.py
+      multi-host: run once per host with its --rank
+  srun keras-dist launch train.py
+      inside a Slurm allocation: the cluster comes from Slurm
+  keras-dist launch --num-workers 2 --print-tf-config
+      each worker's TF_CONFIG (e.g. for Kubernetes), one JSON line each
+"""
+
+_TUNE_EXAMPLES = """\
+examples:
+  keras-dist tune --num-workers 2 search.py
+      a keras-tuner script (keras_tuner or keras_dist.tuner tuners):
+      a chief serving the oracle and 2 tuner workers, one trial each
+  keras-dist tune --num-workers 4 --workers-per-trial 2 search.py -- --epochs 5
+      2 trial groups of 2 workers (keras_dist.tuner tuners), each trial
+      trained by MultiWorkerMirroredStrategy across its group
+"""
+
+
+def _fill(text: str) -> str:
+    return textwrap.fill(text, break_on_hyphens=False)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="keras-dist", description="keras_dist command line tools."
     )
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
         "launch",
         help="start and supervise the workers of a multi-worker job",
-        description=(
+        formatter_class=_Formatter,
+        epilog=_LAUNCH_EXAMPLES,
+        description=_fill(
             "Start and supervise the workers of a multi-worker job. Local: "
             "--num-workers N. Multi-host: --hosts h1:port,h2:port --rank I, "
             "once per host. Inside Slurm: neither (srun keras-dist launch ...)."
@@ -26,20 +74,24 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--num-workers", type=int, help="local workers on 127.0.0.1")
     run.add_argument("--hosts", help="host1:port,host2:port (multi-host)")
     run.add_argument("--rank", type=int, help="this host's index in --hosts")
+    run.add_argument("--port", type=int,
+                     help="local mode: worker i listens on 127.0.0.1:PORT+i "
+                     "(default: free ports)")
     run.add_argument("--max-restarts", type=int, default=0,
                      help="restart the worker group after a failure, up to K times")
-    run.add_argument("--log-dir", help="write worker-<rank>.log files here")
+    run.add_argument("--log-dir", help="write worker-<rank>.log files here "
+                     "(default: prefixed lines on standard output)")
     run.add_argument("--grace-period", type=float, default=5.0,
-                     help="seconds workers get to exit after SIGTERM (default 5)")
+                     help="seconds workers get to exit after SIGTERM")
     run.add_argument("--print-tf-config", action="store_true",
                      help="print each worker's TF_CONFIG (one JSON line each) and exit")
-    run.add_argument("script", nargs="?", help="the training script")
-    run.add_argument("script_args", nargs=argparse.REMAINDER,
-                     help="arguments for the script")
+    _common(run, "training")
     tune = commands.add_parser(
         "tune",
         help="run a distributed keras-tuner search on this machine",
-        description=(
+        formatter_class=_Formatter,
+        epilog=_TUNE_EXAMPLES,
+        description=_fill(
             "Start a keras-tuner search script as a chief (keras-tuner's gRPC "
             "oracle, on 127.0.0.1 only) and --num-workers tuner workers, and "
             "supervise them. --workers-per-trial M groups the workers into "
@@ -50,18 +102,37 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--num-workers", type=int, required=True,
                       help="tuner worker processes (besides the chief)")
     tune.add_argument("--workers-per-trial", type=int, default=1,
-                      help="processes that train each trial together (default 1)")
+                      help="processes that train each trial together")
     tune.add_argument("--port", type=int, help="the oracle's port (default: a free one)")
-    tune.add_argument("--log-dir", help="write <label>.log files here")
+    tune.add_argument("--log-dir", help="write <label>.log files here "
+                      "(default: prefixed lines on standard output)")
     tune.add_argument("--grace-period", type=float, default=5.0,
-                      help="seconds processes get to exit after SIGTERM (default 5)")
+                      help="seconds processes get to exit after SIGTERM")
     tune.add_argument("--finish-timeout", type=float, default=300.0,
                       help="seconds the chief gets to finish after the last "
-                      "worker exited (default 300)")
-    tune.add_argument("script", help="the search script")
-    tune.add_argument("script_args", nargs=argparse.REMAINDER,
-                      help="arguments for the script")
+                      "worker exited")
+    _common(tune, "search")
     return parser
+
+
+def _common(command, kind: str) -> None:
+    command.add_argument("-m", "--module", action="store_true",
+                         help=f"the {kind} script is a module name (python -m)")
+    command.add_argument("-v", "--verbose", action="store_true",
+                         help="show TensorFlow's start-up lines and C++ INFO logs")
+    nargs = "?" if kind == "training" else None
+    command.add_argument("script", nargs=nargs, help=f"the {kind} script (or module)")
+    command.add_argument("script_args", nargs=argparse.REMAINDER,
+                         help="arguments for the script ('--' first is optional)")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("keras-dist")
+    except PackageNotFoundError:  # pragma: no cover - source tree, not installed
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                 log_dir=args.log_dir,
                 grace_period=args.grace_period,
                 finish_timeout=args.finish_timeout,
+                module=args.module,
+                verbose=args.verbose,
             )
         except (ValueError, TypeError) as e:
             print(f"keras-dist tune: error: {e}", file=sys.stderr)
@@ -107,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             max_restarts=args.max_restarts,
             log_dir=args.log_dir,
             grace_period=args.grace_period,
+            module=args.module,
+            port=args.port,
+            verbose=args.verbose,
         )
     except (ValueError, TypeError) as e:
         print(f"keras-dist launch: error: {e}", file=sys.stderr)

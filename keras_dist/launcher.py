@@ -48,6 +48,37 @@ class _Outcome:
 _PORT_CONFLICT_MARKERS = ("Could not start gRPC server", "Address already in use")
 _PORT_RETRIES = 3
 
+# Lines TensorFlow prints at every start that say nothing about the job (no
+# GPU on this machine, CPU build flags, a tf.data optimization note). Without
+# --verbose they stay out of the console and of the report of a failed
+# worker (log files keep everything). TensorFlow's C++ INFO lines are off
+# unless the user sets TF_CPP_MIN_LOG_LEVEL.
+_STARTUP_NOISE = (
+    "All log messages before absl::InitializeLog() is called",
+    "failed call to cuInit",
+    "Could not find cuda drivers",
+    "Unable to register cuDNN factory",
+    "Unable to register cuFFT factory",
+    "Unable to register cuBLAS factory",
+    "computation placer already registered",
+    "cpu_feature_guard.cc",
+    "To enable the following instructions:",
+    "oneDNN custom operations are on",
+    "Input of GeneratorDatasetOp::Dataset will not be optimized",
+)
+# Progress lines that keras_dist prints in launched processes: shown on the
+# console also when the output goes to log files.
+_PROGRESS_PREFIX = "[keras-dist] "
+
+
+def python_command(script: str, script_args: Sequence[str], module: bool) -> list:
+    """The argv after the interpreter: a script path, or `-m module`."""
+    return (["-m", script] if module else [script]) + list(script_args)
+
+
+def _is_noise(line: str) -> bool:
+    return any(marker in line for marker in _STARTUP_NOISE)
+
 
 def _describe_exit(code: int) -> str:
     if code < 0:
@@ -105,21 +136,32 @@ def forwarded_signals():
 class _Group:
     """One generation of worker processes, supervised together."""
 
-    def __init__(self, script, script_args, processes, log_dir, grace_period):
-        """`processes`: (label, environment variables to set) per process."""
+    def __init__(self, command, processes, log_dir, grace_period, verbose=False,
+                 annotate=None):
+        """Starts `python -u *command` once per process.
+
+        `processes`: (label, environment variables to set) per process.
+        `annotate(label, line)`: may rewrite a progress line before it is shown.
+        """
         self.grace_period = grace_period
         self.workers: list[_Worker] = []
         self.lock = threading.Lock()
         self.log_dir = log_dir
+        self.verbose = verbose
+        self.annotate = annotate
+        self.started = time.monotonic()
         for label, variables in processes:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
+            env[_cluster_spec.LAUNCHED_ENV] = "1"
+            if not verbose:
+                env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
             for key, value in variables.items():
                 if value is None:
                     env.pop(key, None)
                 else:
                     env[key] = value
             proc = subprocess.Popen(
-                [sys.executable, "-u", script, *script_args],
+                [sys.executable, "-u", *command],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -145,11 +187,18 @@ class _Group:
             )
         try:
             for line in worker.proc.stdout:
-                worker.tail.append(line)
+                noise = not self.verbose and _is_noise(line)
+                if not noise:  # the tail explains a failure: no noise in it
+                    worker.tail.append(line)
                 if log is not None:
                     log.write(line)
                     log.flush()
+                    show = line.startswith(_PROGRESS_PREFIX)
                 else:
+                    show = not noise
+                if show:
+                    if self.annotate is not None and line.startswith(_PROGRESS_PREFIX):
+                        line = self.annotate(worker.label, line)
                     with self.lock:
                         sys.stdout.write(f"[{worker.label}] {line}")
                         sys.stdout.flush()
@@ -205,6 +254,9 @@ def launch(
     max_restarts: int = 0,
     log_dir: str | None = None,
     grace_period: float = 5.0,
+    module: bool = False,
+    port: int | None = None,
+    verbose: bool = False,
 ) -> int:
     """Runs `script` as the workers of a multi-worker job and supervises them.
 
@@ -235,6 +287,15 @@ def launch(
             lines on standard output).
         grace_period: Positive number of seconds, default 5, that workers
             get to exit after SIGTERM/SIGINT before they are killed.
+        module: Boolean, default False: `script` names a module, run as
+            `python -m script` (like `python -m`, found from the current
+            directory or the installed packages).
+        port: Local mode only: the first worker's port on 127.0.0.1; worker
+            `i` gets `port + i` (default: free ports chosen by the system).
+        verbose: Boolean, default False: show TensorFlow's start-up lines
+            (no GPU found, CPU build flags, C++ INFO logs) on the console;
+            without it they are kept out of the console (log files and the
+            report of a failed worker keep what the worker printed).
 
     Returns:
         0 when every worker succeeded; otherwise the failed worker's exit
@@ -251,22 +312,30 @@ def launch(
             script, `num_workers < 1`, a malformed `hosts`, a rank out of
             range, a port in use or bad restart/grace values.
     """
-    configs_for = _plan(script, num_workers, hosts, rank, max_restarts, log_dir, grace_period)
+    configs_for = _plan(script, num_workers, hosts, rank, max_restarts, log_dir,
+                        grace_period, module, port)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
+    command = python_command(script, script_args, module)
+    started = time.monotonic()
     with forwarded_signals() as interrupt:
         restarts = 0
         port_retries = 0
         while True:
-            processes = [
-                (f"worker {rank}", {"TF_CONFIG": config})
-                for rank, config in configs_for()
-            ]
-            group = _Group(script, list(script_args), processes, log_dir, grace_period)
+            configs = configs_for()
+            processes = [(f"worker {r}", {"TF_CONFIG": c}) for r, c in configs]
+            _say(
+                ("restart: " if restarts or port_retries else "")
+                + f"starting {_describe_workers(configs)}: python "
+                + " ".join(command)
+                + (f" (output in {log_dir}/worker-<rank>.log)" if log_dir else "")
+            )
+            group = _Group(command, processes, log_dir, grace_period, verbose)
             outcome = group.wait(interrupt)
             if (
                 outcome.port_conflict
                 and num_workers is not None
+                and port is None
                 and port_retries < _PORT_RETRIES
             ):
                 port_retries += 1
@@ -277,8 +346,11 @@ def launch(
                 )
                 continue
             if outcome.code == 0:
-                if restarts:
-                    _say(f"job finished after {restarts} restart(s)")
+                _say(
+                    f"job finished: {len(configs)} worker(s) exited with code 0 "
+                    f"after {time.monotonic() - started:.1f}s"
+                    + (f" and {restarts} restart(s)" if restarts else "")
+                )
                 return 0
             if outcome.interrupted or restarts >= max_restarts:
                 if not outcome.interrupted:
@@ -294,9 +366,21 @@ def launch(
             )
 
 
-def _plan(script, num_workers, hosts, rank, max_restarts, log_dir, grace_period):
+def _describe_workers(configs) -> str:
+    """'2 workers (127.0.0.1:5001, 127.0.0.1:5002)' or 'worker 1 of 2 (...)'."""
+    import json
+
+    cluster = json.loads(configs[0][1])["cluster"]["worker"]
+    if len(configs) == len(cluster):
+        return f"{len(cluster)} worker(s) ({', '.join(cluster)})"
+    rank = configs[0][0]
+    return f"worker {rank} of {len(cluster)} ({cluster[rank]})"
+
+
+def _plan(script, num_workers, hosts, rank, max_restarts, log_dir, grace_period,
+          module=False, port=None):
     """Validates everything up front; returns a TF_CONFIG factory."""
-    check_script(script, "training")
+    check_script(script, "training", module)
     for name, value in (("max_restarts", max_restarts),):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(
@@ -323,12 +407,21 @@ def _plan(script, num_workers, hosts, rank, max_restarts, log_dir, grace_period)
                 f"integer. Received: num_workers={num_workers!r}."
             )
 
+        if port is not None:
+            fixed = _cluster_spec.consecutive_ports(port, num_workers)
+
         def local():
-            ports = _cluster_spec.loopback_ports(num_workers)
+            ports = fixed if port is not None else _cluster_spec.loopback_ports(num_workers)
             workers = [f"127.0.0.1:{p}" for p in ports]
             return [(r, _cluster_spec.tf_config(workers, r)) for r in range(num_workers)]
 
         return local
+    if port is not None:
+        raise ValueError(
+            "Argument `port` applies to local workers (num_workers=N) only. "
+            f"Received: port={port!r}, hosts={hosts!r}. With hosts, each "
+            "entry names its port (host:port)."
+        )
     if hosts is not None:
         workers = _cluster_spec.parse_hosts(hosts)
         if rank is None:

@@ -10,6 +10,7 @@ from keras_dist import _cluster_spec
 from keras_dist._checks import check_log_dir, check_script, check_seconds
 from keras_dist.launcher import (
     _Group,
+    python_command,
     _describe_exit,
     _exit_status,
     _say,
@@ -28,6 +29,8 @@ def launch_search(
     log_dir: str | None = None,
     grace_period: float = 5.0,
     finish_timeout: float = 300.0,
+    module: bool = False,
+    verbose: bool = False,
 ) -> int:
     """Runs `script` as the chief and tuner workers of a search; supervises them.
 
@@ -38,7 +41,14 @@ def launch_search(
     `workers_per_trial=M > 1`, the workers form groups of M that share a
     tuner id and a `TF_CONFIG` (M workers on loopback ports): each group is
     one `MultiWorkerMirroredStrategy` running one trial at a time. The script
-    builds a `keras_dist.tuner` tuner and calls `search`.
+    builds a tuner and calls `search`: a plain keras-tuner script
+    (`keras_tuner.RandomSearch`, ...) runs unchanged with
+    `workers_per_trial=1`; trial groups need a `keras_dist.tuner` tuner (a
+    plain one is refused at once, naming the fix).
+
+    The chief prints a progress line per finished trial (its
+    hyperparameters, score, the best so far, and how many tuner workers are
+    running), also when the output goes to log files.
 
     Output lines are prefixed `[chief]`, `[tuner0]`, `[tuner0 worker 1]`
     (or go to `log_dir/<label>.log`). A tuner worker that dies is reported
@@ -64,6 +74,10 @@ def launch_search(
             get to exit after SIGTERM before they are killed.
         finish_timeout: Positive number of seconds, default 300, that the
             chief gets to finish after the last tuner worker exited.
+        module: Boolean, default False: `script` names a module
+            (`python -m script`).
+        verbose: Boolean, default False: show TensorFlow's start-up lines on
+            the console (see `launch`).
 
     Returns:
         The chief's exit status: 0 when the search finished (even if some
@@ -82,7 +96,7 @@ def launch_search(
             use, or bad timeouts.
     """
     _check(script, num_workers, workers_per_trial, port, log_dir,
-           grace_period, finish_timeout)
+           grace_period, finish_timeout, module)
     if port is None:
         port = _cluster_spec.loopback_ports(1)[0]
     oracle = {
@@ -114,8 +128,19 @@ def launch_search(
         f"worker(s)"
         + (f" in {len(groups)} groups of {workers_per_trial}" if workers_per_trial > 1 else "")
     )
+    command = ["-m", "keras_dist._tune_run", *python_command(script, script_args, module)]
+    holder = []
+
+    def annotate(label, line):
+        # The chief's trial lines gain the count of tuner workers running.
+        if label != "chief" or not line.startswith("[keras-dist] trial ") or not holder:
+            return line
+        running = sum(w.proc.poll() is None for w in holder[0].workers[1:])
+        return f"{line.rstrip()}; {running}/{num_workers} tuner workers running\n"
+
     with forwarded_signals() as interrupt:
-        group = _Group(script, list(script_args), processes, log_dir, grace_period)
+        group = _Group(command, processes, log_dir, grace_period, verbose, annotate)
+        holder.append(group)
         return _supervise(group, groups, interrupt, grace_period, finish_timeout)
 
 
@@ -149,7 +174,7 @@ def _supervise(group, groups, interrupt, grace_period, finish_timeout) -> int:
                 time.sleep(0.05)
             group.stop()
             _say(
-                "search finished"
+                f"search finished after {time.monotonic() - group.started:.1f}s"
                 + (f"; {len(deaths)} tuner worker(s) died: {'; '.join(deaths)}" if deaths else "")
             )
             return 0
@@ -197,8 +222,8 @@ def _supervise(group, groups, interrupt, grace_period, finish_timeout) -> int:
 
 
 def _check(script, num_workers, workers_per_trial, port, log_dir,
-           grace_period, finish_timeout) -> None:
-    check_script(script, "search")
+           grace_period, finish_timeout, module=False) -> None:
+    check_script(script, "search", module)
     for name, value in (("num_workers", num_workers),
                         ("workers_per_trial", workers_per_trial)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -11,13 +11,16 @@ live in one process.
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Literal, Union
 
 import tensorflow as tf
 
 from keras_dist import _tf_config
+from keras_dist._cluster_spec import LAUNCHED_ENV
 
 StrategySpec = Union[
     Literal["auto", "mirrored", "multi_worker", "tpu", "default"],
@@ -236,6 +239,7 @@ def _multi_worker() -> tf.distribute.Strategy:
             resolver = tf.distribute.cluster_resolver.SlurmClusterResolver()
         else:
             resolver = None
+        started = time.monotonic()
         try:
             _cache[key] = tf.distribute.MultiWorkerMirroredStrategy(
                 cluster_resolver=resolver
@@ -252,6 +256,14 @@ def _multi_worker() -> tf.distribute.Strategy:
                 "configures them at import), or create the strategy first. "
                 f"TensorFlow said: {e}"
             ) from None
+        if os.environ.get(LAUNCHED_ENV):
+            # A progress line for the launcher's console (shown even when
+            # the workers' output goes to log files).
+            sys.stderr.write(
+                f"[keras-dist] cluster formed in {time.monotonic() - started:.1f}s: "
+                f"{describe(_cache[key])}\n"
+            )
+            sys.stderr.flush()
     return _cache[key]
 
 

@@ -17,5 +17,6 @@ collect_ignore = [
     "multi_worker/backup_main.py",
     "multi_worker/search_main.py",
     "multi_worker/parity_main.py",
+    "multi_worker/keras_tuner_main.py",
     "dtensor/golden_main.py",
 ]

@@ -103,7 +103,8 @@ def test_max_restarts_restarts_the_group(tmp_path, capfd):
     assert keras_dist.launch(job, [str(tmp_path)], num_workers=2, max_restarts=1) == 0
     err = capfd.readouterr().err
     assert "restarting the worker group (1/1) because worker 0 exited with code 7" in err
-    assert "job finished after 1 restart(s)" in err
+    assert "job finished: 2 worker(s) exited with code 0 after" in err
+    assert "and 1 restart(s)" in err
 
 
 def test_port_conflict_is_retried_with_fresh_ports(tmp_path, capfd):
@@ -191,6 +192,9 @@ def run_cli(args, capsys):
         (["--num-workers", "2", "--max-restarts", "-1", "JOB"], "`max_restarts`"),
         (["--num-workers", "2", "--grace-period", "0", "JOB"], "`grace_period`"),
         (["JOB"], "No cluster given. Pass num_workers=N"),
+        (["--num-workers", "2", "-m", "no_such_module_here"], "no module of that name"),
+        (["--num-workers", "2", "--port", "80", "JOB"], "`port`. Expected an integer from 1024"),
+        (["--hosts", "a:1,b:2", "--rank", "0", "--port", "5000", "JOB"], "`port` applies to local workers"),
     ],
 )
 def test_argument_errors(tmp_path, capsys, args, message):
@@ -256,3 +260,90 @@ def _free_ports(n):
     from keras_dist._cluster_spec import loopback_ports
 
     return loopback_ports(n)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"keras-dist {keras_dist.__version__}"
+
+
+@pytest.mark.parametrize("command", ["launch", "tune"])
+def test_help_gives_examples_and_defaults(command, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "examples:" in out and f"keras-dist {command} --num-workers 2" in out
+    assert "(default: 5.0)" in out  # --grace-period
+    assert "-m, --module" in out and "-v, --verbose" in out
+
+
+def test_module_mode(tmp_path, capfd, monkeypatch):
+    package = tmp_path / "mypackage"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(textwrap.dedent(ECHO))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(
+        ["launch", "--num-workers", "2", "-m", "mypackage.train", "--", str(tmp_path), "x"]
+    ) == 0
+    out = capfd.readouterr().out
+    assert f"[worker 1] rank 1 of 2 args ['{tmp_path}', 'x']" in out
+
+
+def test_fixed_port(tmp_path):
+    from keras_dist._cluster_spec import consecutive_ports
+
+    for first in range(20000, 60000, 1000):  # a range that is free now
+        try:
+            consecutive_ports(first, 2)
+            break
+        except ValueError:
+            continue
+    job = script(tmp_path, ECHO)
+    assert cli.main(["launch", "--num-workers", "2", "--port", str(first), job, str(tmp_path)]) == 0
+    config = json.loads((tmp_path / "config1.json").read_text())
+    assert config["cluster"]["worker"] == [f"127.0.0.1:{first}", f"127.0.0.1:{first + 1}"]
+
+
+NOISY = """
+import sys
+sys.stderr.write("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\\n")
+sys.stderr.write("E0000 00:00:1.2 1 cuda_platform.cc:52] failed call to cuInit: INTERNAL: CUDA error\\n")
+sys.stderr.write("[keras-dist] cluster formed in 0.1s: a progress line\\n")
+print("epoch 1 done", flush=True)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_start_up_noise_is_hidden_unless_verbose(tmp_path, capfd):
+    job = script(tmp_path, NOISY)
+    assert keras_dist.launch(job, ["0"], num_workers=2) == 0
+    captured = capfd.readouterr()
+    assert "[worker 1] epoch 1 done" in captured.out
+    assert "[worker 0] [keras-dist] cluster formed" in captured.out
+    assert "cuInit" not in captured.out and "absl" not in captured.out
+    assert "[keras-dist] starting 2 worker(s) (127.0.0.1:" in captured.err
+    assert "[keras-dist] job finished: 2 worker(s) exited with code 0" in captured.err
+
+    # A failed worker's report has its last lines, without the noise.
+    assert keras_dist.launch(job, ["3"], num_workers=1) == 3
+    err = capfd.readouterr().err
+    assert "last lines of worker 0's output:" in err and "epoch 1 done" in err
+    assert "cuInit" not in err
+
+    assert keras_dist.launch(job, ["0"], num_workers=1, verbose=True) == 0
+    out = capfd.readouterr().out
+    assert "failed call to cuInit" in out and "absl::InitializeLog" in out
+
+
+def test_progress_lines_reach_the_console_with_log_dir(tmp_path, capfd):
+    job = script(tmp_path, NOISY)
+    logs = tmp_path / "logs"
+    assert keras_dist.launch(job, ["0"], num_workers=2, log_dir=str(logs)) == 0
+    out = capfd.readouterr().out
+    assert "[worker 1] [keras-dist] cluster formed in 0.1s" in out
+    assert "epoch 1 done" not in out
+    log = (logs / "worker-1.log").read_text()
+    assert "epoch 1 done" in log and "failed call to cuInit" in log  # all of it

@@ -139,18 +139,7 @@ class DistributedTuner:
         self._kd_broadcast_fn = None
         kwargs["distribution_strategy"] = self._kd_strategy
         if dist_utils.has_chief_oracle() and not chief:
-            # The chief owns the project directory: `overwrite=True` on a
-            # worker would delete the chief's oracle state and trials. A
-            # worker only starts its own state afresh.
-            if kwargs.get("overwrite", False):
-                own = os.path.join(
-                    str(kwargs.get("directory") or "."),
-                    str(kwargs.get("project_name") or "untitled_project"),
-                    f"{os.environ['KERASTUNER_TUNER_ID']}.json",
-                )
-                if os.path.exists(own):
-                    os.remove(own)
-            kwargs["overwrite"] = False
+            worker_overwrite(kwargs)
         super().__init__(*args, **kwargs)
         if isinstance(self.oracle, oracle_client.OracleClient):
             connect, call, beat = self._kd_timeouts
@@ -302,3 +291,20 @@ def _decode(code) -> tuple[str, str | None]:
     length = int(round(float(code[1])))
     return status, "".join(chr(int(round(float(c)))) for c in code[2 : 2 + length])
 
+
+def worker_overwrite(kwargs: dict) -> None:
+    """A tuner worker's `overwrite=True` (in the tuner's keyword arguments).
+
+    The chief owns the project directory: `overwrite=True` on a worker would
+    delete the chief's oracle state and the other workers' trials while they
+    use them. A worker only starts its own state afresh.
+    """
+    if kwargs.get("overwrite", False):
+        own = os.path.join(
+            str(kwargs.get("directory") or "."),
+            str(kwargs.get("project_name") or "untitled_project"),
+            f"{os.environ['KERASTUNER_TUNER_ID']}.json",
+        )
+        if os.path.exists(own):
+            os.remove(own)
+    kwargs["overwrite"] = False

@@ -15,10 +15,10 @@ pytestmark = pytest.mark.multi_worker
 SCRIPT = os.path.join(os.path.dirname(__file__), "search_main.py")
 
 
-def tune(out, *options, args=(), timeout=300):
+def tune(out, *options, args=(), timeout=300, script=SCRIPT):
     """Runs `keras-dist tune OPTIONS search_main.py OUT ARGS`; returns it."""
     return subprocess.run(
-        [sys.executable, "-m", "keras_dist.cli", "tune", *options, SCRIPT,
+        [sys.executable, "-m", "keras_dist.cli", "tune", *options, script,
          str(out), *args],
         capture_output=True, text=True, timeout=timeout, env=_env(),
     )
@@ -60,6 +60,36 @@ def test_two_tuner_workers_run_every_trial_once(tmp_path):
     # The best model was reloaded from the chief's directory and trained.
     assert done["best_loss"] < 5.0
     assert "search finished; oracle stopped" in job.stdout
+
+
+KERAS_TUNER_SCRIPT = os.path.join(os.path.dirname(__file__), "keras_tuner_main.py")
+
+
+def test_a_plain_keras_tuner_script_runs_unchanged(tmp_path):
+    # keras_tuner.RandomSearch(..., overwrite=True), as keras-tuner's docs
+    # write it; the second run overwrites the first one's directory.
+    for attempt in range(2):
+        job = tune(tmp_path, "--num-workers", "2", script=KERAS_TUNER_SCRIPT)
+        assert job.returncode == 0, explain(job)
+        trials = [line for line in job.stdout.splitlines()
+                  if "[chief] [keras-dist] trial " in line]
+        assert len(trials) == 3, explain(job)
+        assert all("completed: val_accuracy" in line and "best so far: trial" in line
+                   and "tuner workers running" in line for line in trials)
+        assert "[chief] Results summary" in job.stdout
+        assert "search finished after" in job.stderr
+        # TensorFlow's start-up lines stay out of the console.
+        assert "cuInit" not in job.stdout and "absl::InitializeLog" not in job.stdout
+
+
+def test_a_plain_tuner_in_trial_groups_stops_at_once_naming_the_fix(tmp_path):
+    start = time.monotonic()
+    job = tune(tmp_path, "--num-workers", "2", "--workers-per-trial", "2",
+               script=KERAS_TUNER_SCRIPT)
+    assert job.returncode == 1, explain(job)
+    assert time.monotonic() - start < 120
+    assert "replace `keras_tuner.RandomSearch` with `keras_dist.tuner.RandomSearch`" in job.stdout
+    assert "every tuner worker has died" in job.stderr
 
 
 def test_a_killed_worker_does_not_stall_the_search(tmp_path):

@@ -1,0 +1,132 @@
+"""Runs a search script in a process started by `keras-dist tune`.
+
+`python -m keras_dist._tune_run SCRIPT ARGS...` (or `-m MODULE ARGS...`) runs
+the user's script as `python SCRIPT ARGS...` would, after preparing
+keras-tuner for the process's role, so that a plain keras-tuner script (a
+`keras_tuner.RandomSearch`, with no keras_dist in it) runs unchanged:
+
+- on the chief, each trial the oracle ends prints one progress line (trial,
+  hyperparameters, score, best so far) for the launcher's console;
+- on a tuner worker, `overwrite=True` starts only the worker's own state
+  afresh (keras-tuner would have every process delete the shared project
+  directory, the chief's included, while the others use it);
+- a worker of a trial group (`--workers-per-trial M > 1`) refuses a tuner
+  that cannot train one trial across the group, naming the fix.
+
+keras_dist's own tuners (`keras_dist.tuner`) do the worker-side parts
+themselves; the chief's progress line is printed for every tuner.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import runpy
+import sys
+
+_USAGE = "usage: python -m keras_dist._tune_run (SCRIPT | -m MODULE) [ARGS...]"
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(f"[keras-dist] {message}\n")
+    sys.stderr.flush()
+
+
+def _format_trial(trial, oracle) -> str:
+    values = ", ".join(f"{k}={v!r}" for k, v in trial.hyperparameters.values.items())
+    name = getattr(oracle.objective, "name", "score")
+    score = "no score" if trial.score is None else f"{name} {trial.score:.6g}"
+    line = f"trial {trial.trial_id} {trial.status.lower()}: {score}; {values}"
+    best = oracle.get_best_trials(1)
+    if best and best[0].score is not None:
+        line += f"; best so far: trial {best[0].trial_id}, {name} {best[0].score:.6g}"
+    return line
+
+
+def _report_trials(start_server):
+    """Wraps keras-tuner's `oracle_chief.start_server(oracle)` (chief only)."""
+
+    @functools.wraps(start_server)
+    def serve(oracle):
+        end_trial = oracle.end_trial
+
+        def reporting_end_trial(trial, *args, **kwargs):
+            result = end_trial(trial, *args, **kwargs)
+            _say(_format_trial(oracle.trials[trial.trial_id], oracle))
+            return result
+
+        oracle.end_trial = reporting_end_trial  # this oracle object only
+        _say(
+            f"oracle ready: {type(oracle).__name__}, objective "
+            f"{getattr(oracle.objective, 'name', oracle.objective)}, "
+            f"max_trials {oracle.max_trials}"
+        )
+        return start_server(oracle)
+
+    return serve
+
+
+def _prepare_worker(init, in_group: bool):
+    """Wraps `BaseTuner.__init__` on a tuner worker."""
+    from keras_dist.tuner.distributed_tuner import DistributedTuner
+    from keras_dist.tuner.distributed_tuner import worker_overwrite
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        if not isinstance(self, DistributedTuner):
+            if in_group:
+                cls = type(self)
+                where = cls.__module__.split(".")[0]
+                if where != "keras_tuner":
+                    where = cls.__module__
+                _say(
+                    f"error: {where}.{cls.__name__} "
+                    "trains each trial in one process, but keras-dist tune "
+                    "--workers-per-trial > 1 runs each trial on a group of "
+                    "workers. Use the keras_dist tuner of the same name "
+                    "(same arguments): replace `keras_tuner.RandomSearch` with "
+                    "`keras_dist.tuner.RandomSearch` (likewise Hyperband, "
+                    "BayesianOptimization, GridSearch; for your own Tuner "
+                    "subclass, add keras_dist.tuner.DistributedTuner as its "
+                    "first base), or run with --workers-per-trial 1."
+                )
+                raise SystemExit(2)
+            worker_overwrite(kwargs)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+def _prepare(role: str, in_group: bool) -> None:
+    try:
+        from keras_tuner.src.distribute import oracle_chief  # noqa: F401
+        from keras_tuner.src.engine import base_tuner
+    except ImportError:
+        return  # the script fails on its own import of keras_tuner
+    if role == "chief":
+        oracle_chief.start_server = _report_trials(oracle_chief.start_server)
+    else:
+        base_tuner.BaseTuner.__init__ = _prepare_worker(
+            base_tuner.BaseTuner.__init__, in_group
+        )
+
+
+def main(argv: list[str]) -> None:
+    module = argv[:1] == ["-m"]
+    if module:
+        argv = argv[1:]
+    if not argv:
+        raise SystemExit(_USAGE)
+    target, args = argv[0], argv[1:]
+    role = "chief" if os.environ.get("KERASTUNER_TUNER_ID") == "chief" else "worker"
+    _prepare(role, in_group=bool(os.environ.get("TF_CONFIG")))
+    sys.argv = [target, *args]
+    if module:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        runpy.run_path(target, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
