@@ -5,15 +5,17 @@ Description: One script, started once per worker by `keras-dist launch`
 each global batch of scikit-learn's bundled digits, gradients are
 all-reduced across workers, only the chief writes the model and backups.
 
-Run: `keras-dist launch --num-workers 2 examples/multi_worker.py` (add
-`--smoke` for 2 epochs). `keras-dist launch --print-tf-config ...` shows
-what each worker of a multi-host job receives; alone (no TF_CONFIG) the
-script trains in one process.
+Run: `keras-dist launch --num-workers 2 --max-restarts 1 examples/multi_worker.py`
+(add `--smoke` for 2 epochs). Kill a worker mid-run (`kill -9 <pid>`): the
+launcher restarts the group, which resumes from the last backup in
+`./multi_worker_out` (`--out-dir`; every worker must be given the same
+directory). `keras-dist launch --print-tf-config ...` shows what each worker
+of a multi-host job receives; alone (no TF_CONFIG) the script trains in one
+process.
 """
 
 import argparse
 import os
-import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -28,11 +30,10 @@ import keras  # noqa: E402
 from _digits import load  # noqa: E402
 
 from keras_dist.callbacks import BackupAndRestore  # noqa: E402
-from keras_dist.strategy import worker_info  # noqa: E402
 
 
-def main(smoke: bool, out_dir: str) -> dict:
-    info = worker_info(strategy)
+def main(epochs: int, out_dir: str, verbose: int = 2) -> dict:
+    info = keras_dist.worker_info(strategy)  # chief-only printing below
     print(keras_dist.describe(strategy))
     (x_train, y_train), (x_test, y_test) = load(images=True)
 
@@ -49,9 +50,9 @@ def main(smoke: bool, out_dir: str) -> dict:
     # batch; each keeps its own share of every batch (each sample is trained
     # exactly once per epoch across workers, with an agreed shuffle).
     # BackupAndRestore: every worker saves, only the chief's backup persists;
-    # restart the job and it resumes where it stopped.
-    model.fit(x_train, y_train, batch_size=64, epochs=2 if smoke else 10,
-              verbose=0 if smoke else 2,
+    # restart the job and it resumes where it stopped. The backup directory
+    # must be the same on every worker (and shared storage across hosts).
+    model.fit(x_train, y_train, batch_size=64, epochs=epochs, verbose=verbose,
               callbacks=[BackupAndRestore(os.path.join(out_dir, "backup"))])
     loss, accuracy = model.evaluate(x_test, y_test, batch_size=64, verbose=0)
     print(f"test loss {loss:.4f}  test accuracy {accuracy:.4f}")
@@ -66,8 +67,10 @@ def main(smoke: bool, out_dir: str) -> dict:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    parser.add_argument("--smoke", action="store_true", help="two epochs")
-    parser.add_argument("--out-dir", default=None,
-                        help="where the chief saves (default: a temporary directory)")
+    parser.add_argument("--smoke", action="store_true", help="two epochs, quiet")
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--out-dir", default="multi_worker_out",
+                        help="backups and the saved model (the same for every "
+                        "worker; default: ./multi_worker_out)")
     args = parser.parse_args()
-    main(args.smoke, args.out_dir or tempfile.mkdtemp(prefix="multi_worker-"))
+    main(2 if args.smoke else args.epochs, args.out_dir, verbose=0 if args.smoke else 2)

@@ -109,11 +109,9 @@ def main() -> None:
         verbose=0,
     )
 
-    # Only the process that holds the whole search (the chief, or a process
-    # searching on its own) reports the result.
-    if "KERASTUNER_TUNER_ID" in os.environ and "chief" not in os.environ[
-        "KERASTUNER_TUNER_ID"
-    ]:
+    # keras_dist: only the process that holds the whole search (the chief,
+    # or a process searching on its own) reports the result.
+    if not keras_dist.tuner.is_chief():
         return
     trials_done = [t for t in tuner.oracle.trials.values() if t.status == "COMPLETED"]
     best_hp = tuner.get_best_hyperparameters(1)[0]

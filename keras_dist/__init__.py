@@ -1,7 +1,7 @@
 """keras_dist: train any Keras 3 model on many devices and machines.
 
 The core: `DistributedModel` (and `distribute` for an existing model),
-`resolve_strategy`, `simulate_replicas` and `describe`; `average_loss`
+`resolve_strategy`, `simulate_replicas`, `describe` and `worker_info`; `average_loss`
 for custom training loops; `launch` starts and
 supervises the workers of a multi-worker job (also `keras-dist launch`),
 `launch_search` those of a distributed keras-tuner search (`keras-dist
@@ -36,6 +36,7 @@ _EXPORTS = {
     "resolve_strategy": "keras_dist.strategy",
     "scale_learning_rate": "keras_dist.callbacks.learning_rate_scaler",
     "simulate_replicas": "keras_dist.strategy",
+    "worker_info": "keras_dist.strategy",
 }
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "resolve_strategy",
     "scale_learning_rate",
     "simulate_replicas",
+    "worker_info",
 ]
 
 

@@ -291,31 +291,60 @@ def _tpu(required: bool) -> tf.distribute.Strategy | None:
 
 
 @dataclass(frozen=True)
-class _WorkerInfo:
+class WorkerInfo:
+    """This process's place in a job: `num_workers`, `rank`, `is_chief`."""
+
     num_workers: int
     rank: int
     is_chief: bool
 
 
-def worker_info(strategy: tf.distribute.Strategy) -> _WorkerInfo:
-    """This process's place among the workers of `strategy`."""
+def worker_info(strategy: StrategySpec | None = None) -> WorkerInfo:
+    """This process's place among the workers of `strategy`.
+
+    For what only one worker of a multi-worker job should do: print, write
+    files of your own, upload. (keras_dist's `save`/`save_weights` and its
+    callbacks already write on the chief only: call them on every worker.)
+    In a single-process run it is `WorkerInfo(num_workers=1, rank=0,
+    is_chief=True)`.
+
+    Args:
+        strategy: A strategy or a spec for `resolve_strategy` (e.g. a
+            model's `model.distribute_strategy`); defaults to the strategy
+            in scope.
+
+    Returns:
+        A `WorkerInfo` with `num_workers`, `rank` (0-based) and `is_chief`.
+
+    Example:
+
+        >>> import keras_dist
+        >>> info = keras_dist.worker_info("default")
+        >>> if info.is_chief:
+        ...     print(f"worker {info.rank} of {info.num_workers}")
+        worker 0 of 1
+    """
+    if strategy is None:
+        strategy = tf.distribute.get_strategy()
+    elif not isinstance(strategy, tf.distribute.Strategy):
+        strategy = resolve_strategy(strategy)
     resolver = getattr(strategy, "cluster_resolver", None)
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and (
         resolver is not None
     ):
         spec = resolver.cluster_spec().as_dict()
         if not spec:
-            return _WorkerInfo(1, 0, True)
+            return WorkerInfo(1, 0, True)
         info = _tf_config.ClusterInfo(
             cluster={k: list(v) if isinstance(v, list) else list(v.values()) for k, v in spec.items()},
             task_type=resolver.task_type,
             task_index=int(resolver.task_id),
         )
-        return _WorkerInfo(info.num_workers, info.rank, info.is_chief)
+        return WorkerInfo(info.num_workers, info.rank, info.is_chief)
     if isinstance(strategy, tf.distribute.TPUStrategy):
         hosts = getattr(strategy.extended, "num_hosts", 1)
-        return _WorkerInfo(hosts, 0, True)
-    return _WorkerInfo(1, 0, True)
+        return WorkerInfo(hosts, 0, True)
+    return WorkerInfo(1, 0, True)
 
 
 def _local_default_device() -> str:

@@ -43,13 +43,15 @@ def max_abs_diff(a, b) -> float:
     return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
 
 
-def run_concurrently(commands: dict, jobs: int = 2, timeout: float = 600) -> dict:
+def run_concurrently(commands: dict, jobs: int = 2, timeout: float = 600,
+                     cwd: dict | None = None) -> dict:
     """Runs subprocesses `jobs` at a time: {name: argv or [argv, ...]} -> {name: result}.
 
     For smoke runs whose outcome, not speed, is checked: two at a time use
     both cores of a 2-core runner while each process starts TensorFlow. A
     list of argvs runs in order (later steps depend on earlier ones); the
-    result is the last step's, or the first that failed.
+    result is the last step's, or the first that failed. `timeout` is per
+    process; `cwd` maps a name to the directory its processes run in.
     """
     import os
     import subprocess
@@ -57,15 +59,16 @@ def run_concurrently(commands: dict, jobs: int = 2, timeout: float = 600) -> dic
 
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
 
-    def run(steps):
+    def run(name, steps):
         steps = steps if isinstance(steps[0], list) else [steps]
         for argv in steps:
             done = subprocess.run(argv, env=env, capture_output=True, text=True,
-                                  timeout=timeout, check=False)
+                                  timeout=timeout, check=False,
+                                  cwd=(cwd or {}).get(name))
             if done.returncode:
                 break
         return done
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {name: pool.submit(run, argv) for name, argv in commands.items()}
+        futures = {name: pool.submit(run, name, argv) for name, argv in commands.items()}
         return {name: future.result() for name, future in futures.items()}

@@ -20,6 +20,7 @@ def test_top_level_names():
         "resolve_strategy",
         "scale_learning_rate",
         "simulate_replicas",
+        "worker_info",
     ]
     assert keras_dist.__all__ == sorted(keras_dist.__all__)
 
@@ -27,6 +28,9 @@ def test_top_level_names():
 def test_signatures():
     assert signature(keras_dist.resolve_strategy) == "(spec: 'StrategySpec' = 'auto') -> 'tf.distribute.Strategy'"
     assert signature(keras_dist.simulate_replicas) == "(num_replicas: 'int') -> 'int'"
+    assert signature(keras_dist.worker_info) == (
+        "(strategy: 'StrategySpec | None' = None) -> 'WorkerInfo'"
+    )
     assert signature(keras_dist.average_loss) == (
         "(per_example_loss, sample_weight=None, *, model: 'keras.Model | None' = None)"
     )
@@ -39,13 +43,16 @@ def test_signatures():
         "(script: 'str', script_args: 'Sequence[str]' = (), *, "
         "num_workers: 'int | None' = None, hosts: 'str | None' = None, "
         "rank: 'int | None' = None, max_restarts: 'int' = 0, "
-        "log_dir: 'str | None' = None, grace_period: 'float' = 5.0) -> 'int'"
+        "log_dir: 'str | None' = None, grace_period: 'float' = 5.0, "
+        "module: 'bool' = False, port: 'int | None' = None, "
+        "verbose: 'bool' = False) -> 'int'"
     )
     assert signature(keras_dist.launch_search) == (
         "(script: 'str', script_args: 'Sequence[str]' = (), *, "
         "num_workers: 'int', workers_per_trial: 'int' = 1, "
         "port: 'int | None' = None, log_dir: 'str | None' = None, "
-        "grace_period: 'float' = 5.0, finish_timeout: 'float' = 300.0) -> 'int'"
+        "grace_period: 'float' = 5.0, finish_timeout: 'float' = 300.0, "
+        "module: 'bool' = False, verbose: 'bool' = False) -> 'int'"
     )
     assert signature(keras_dist.DistributedModel.__init__) == (
         "(self, *args, strategy: 'StrategySpec' = 'auto', "
@@ -122,6 +129,7 @@ def test_tuner_names_and_parity():
         "GridSearch",
         "Hyperband",
         "RandomSearch",
+        "is_chief",
     ]
     assert signature(tuner.DistributedTuner.__init__) == (
         "(self, *args, strategy: 'StrategySpec' = 'auto', "

@@ -35,3 +35,20 @@ def test_every_example_has_a_smoke_mode_a_test_and_a_guide():
         assert re.search(rf"{name}\.py", tests), f"{name}.py has no test in test_examples.py"
         if name != "quickstart":  # the quickstart is the README's demo
             assert f"guides/{name}.md" in nav, f"{name}.py has no guide page"
+
+
+def _words(text: str) -> str:
+    return " ".join(text.replace("- ", " ").split())
+
+
+def test_every_guide_says_how_to_run_its_example_as_the_example_does():
+    for name in EXAMPLES:
+        if name == "quickstart":
+            continue
+        source = open(os.path.join(ROOT, "examples", f"{name}.py")).read()
+        header = source.split('"""')[1]
+        run = header.split("\nRun:", 1)[1]
+        guide = open(os.path.join(ROOT, "docs", "guides", f"{name}.md")).read()
+        assert _words(run) and _words(run) in _words(guide), (
+            f"docs/guides/{name}.md does not give the Run: text of examples/{name}.py"
+        )

@@ -6,7 +6,10 @@ outcomes are checked, never their speed); each test reads its run's output.
 
 import os
 import re
+import signal
+import subprocess
 import sys
+import threading
 
 import pytest
 from helpers import run_concurrently
@@ -192,3 +195,39 @@ def test_profiling_writes_a_trace_and_reports_memory(runs):
     assert re.search(r"ResourceMonitor batch 10: .*memory/host_rss_mb [1-9]", out)
     assert float(re.search(r"host peak memory ([0-9.]+) MB", out).group(1)) > 10
     assert accuracy_in(out) > 0.3
+
+
+@pytest.mark.multi_worker
+def test_multi_worker_example_killed_mid_run_resumes_under_max_restarts(tmp_path):
+    # As its guide says: no --out-dir (every worker uses ./multi_worker_out).
+    job = subprocess.Popen(
+        [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2",
+         "--max-restarts", "1", os.path.join(EXAMPLES, "multi_worker.py"),
+         "--epochs", "5"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES=""),
+    )
+    timer = threading.Timer(480, job.kill)
+    timer.start()
+    lines, killed = [], None
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if killed is None and line.startswith("[worker 0] Epoch 3/5"):
+                # Epochs 1 and 2 are backed up: kill worker 1 in epoch 3.
+                with open(f"/proc/{job.pid}/task/{job.pid}/children") as f:
+                    killed = int(f.read().split()[-1])
+                os.kill(killed, signal.SIGKILL)
+        job.wait()
+    finally:
+        timer.cancel()
+    out = "".join(lines)
+    assert killed is not None and job.returncode == 0, out[-4000:]
+    assert "restarting the worker group (1/1) because worker" in out, out[-4000:]
+    assert "job finished: 2 worker(s) exited with code 0" in out
+    first, second = out.split("restarting the worker group")
+    # The restarted group resumed at epoch 3: epochs 1-2 never ran again.
+    assert "[worker 0] Epoch 1/5" in first and "Epoch 1/5" not in second
+    assert "Epoch 2/5" not in second and "[worker 0] Epoch 3/5" in second
+    assert "[worker 0] Epoch 5/5" in second
+    assert os.path.exists(tmp_path / "multi_worker_out" / "digits.keras")

@@ -6,7 +6,8 @@ keras-tuner's tuners (same arguments) that run every trial under a
 by `keras-dist tune` (or `keras_dist.launch_search`), share one search
 through keras-tuner's own gRPC oracle, with prompt shutdown, bounded
 connection waits and dead-worker recovery. `DistributedTuner` is the mixin,
-for your own `keras_tuner.Tuner` subclasses.
+for your own `keras_tuner.Tuner` subclasses. `is_chief()` says whether this
+process holds the search's results (for code after `search`).
 
 Needs the `tuner` extra: `pip install "keras-dist[tuner]"`.
 """
@@ -19,7 +20,7 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess test
         'the extra: pip install "keras-dist[tuner]"'
     ) from e
 
-from keras_dist.tuner.distributed_tuner import DistributedTuner
+from keras_dist.tuner.distributed_tuner import DistributedTuner, is_chief
 from keras_dist.tuner.tuners import (
     BayesianOptimization,
     GridSearch,
@@ -33,4 +34,5 @@ __all__ = [
     "GridSearch",
     "Hyperband",
     "RandomSearch",
+    "is_chief",
 ]

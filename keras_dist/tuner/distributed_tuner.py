@@ -292,6 +292,27 @@ def _decode(code) -> tuple[str, str | None]:
     return status, "".join(chr(int(round(float(c)))) for c in code[2 : 2 + length])
 
 
+def is_chief() -> bool:
+    """Whether this process holds the whole search's results.
+
+    `keras-dist tune` runs the search script in every process: the chief
+    (which serves the oracle) and the tuner workers. Code after `search`
+    that reports or saves the results belongs on the chief. A search run
+    without `keras-dist tune` (one process) is its own chief.
+
+    Returns:
+        True on the chief of a distributed search and in a search run
+        alone; False in a tuner worker.
+
+    Example:
+
+        >>> from keras_dist import tuner
+        >>> tuner.is_chief()  # a process not started by keras-dist tune
+        True
+    """
+    return os.environ.get("KERASTUNER_TUNER_ID", "chief") == "chief"
+
+
 def worker_overwrite(kwargs: dict) -> None:
     """A tuner worker's `overwrite=True` (in the tuner's keyword arguments).
 

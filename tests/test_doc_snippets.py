@@ -1,0 +1,68 @@
+"""Every Python snippet of README.md and docs/ runs as a reader copies it.
+
+A snippet is a script of its own (small data defined in it), run in a fresh
+process in an empty directory; one whose first line is a "# continues the
+example above" comment runs after the snippets before it on its page, as a
+reader who copied them in order would. The examples' guides include the
+example files themselves, tested by test_examples.py.
+"""
+
+import glob
+import os
+import re
+import sys
+
+import pytest
+from helpers import run_concurrently
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = ["README.md"] + sorted(
+    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))
+)
+CONTINUES = "# continues the example above"
+
+
+def scripts():
+    """{"page#n": source}: one script per snippet that starts a process."""
+    found = {}
+    for page in PAGES:
+        text = open(os.path.join(ROOT, page)).read()
+        current = None
+        for block in re.findall(r"^```python\n(.*?)^```", text, re.S | re.M):
+            if block.startswith(CONTINUES):
+                assert current is not None, f"{page}: the first snippet continues nothing"
+                found[current] += "\n" + block
+            else:
+                current = f"{page}#{sum(k.startswith(page + '#') for k in found) + 1}"
+                found[current] = block
+    return found
+
+
+SCRIPTS = scripts()
+
+
+def test_the_pages_have_snippets():
+    assert {name.split("#")[0] for name in SCRIPTS} >= {
+        "README.md", "docs/getting_started.md", "docs/backup_and_restore.md",
+        "docs/tuner.md", "docs/distributed_model.md", "docs/model_parallel.md",
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    commands, cwd = {}, {}
+    for name, source in SCRIPTS.items():
+        directory = tmp_path_factory.mktemp(re.sub(r"\W", "_", name))
+        path = directory / "snippet.py"
+        path.write_text(source)
+        commands[name] = [sys.executable, str(path)]
+        cwd[name] = str(directory)
+    return run_concurrently(commands, timeout=420, cwd=cwd)
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_snippet_runs_as_copied(runs, name):
+    done = runs[name]
+    assert done.returncode == 0, (
+        f"{name}:\n{SCRIPTS[name]}\n--- output\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+    )
