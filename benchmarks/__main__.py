@@ -131,6 +131,8 @@ def main(argv=None) -> int:
             command += ["--quick"] if args.quick else []
             command += ["--repeats", str(args.repeats)] if args.repeats else []
             start = time.perf_counter()
+            print(f"[{number}/{len(SCENARIOS)}] {name}: started at "
+                  f"{time.strftime('%H:%M:%S')}", flush=True)
             done = subprocess.run(command, capture_output=True, text=True, check=False,
                                   cwd=_common.ROOT,
                                   env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
@@ -142,8 +144,13 @@ def main(argv=None) -> int:
                 result = {"id": number, "name": name,
                           "error": done.stdout[-2000:] + done.stderr[-3000:]}
         result["seconds"] = round(seconds, 1)
-        print(f"[{number}/{len(SCENARIOS)}] {name}: "
-              f"{'failed' if 'error' in result else 'done'} in {seconds:.0f} s", flush=True)
+        if "error" in result:
+            outcome = "failed (the report shows its last output)"
+        else:
+            ratio = result["ratios"][0]
+            outcome = f"done, {ratio['name']} {ratio['value']:.3f}"
+        print(f"[{number}/{len(SCENARIOS)}] {name}: {outcome} in {seconds:.0f} s",
+              flush=True)
         return result
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:

@@ -50,6 +50,10 @@ def train(backup_dir: str, weights_path: str, epochs: int, kill_at_step: int | N
             print(f"starting at optimizer step {step}"
                   + (" (resumed from the backup)" if step else ""), flush=True)
 
+        def on_epoch_end(self, epoch, logs=None):
+            step = int(self.model.optimizer.iterations.numpy())
+            print(f"epoch {epoch + 1}/{epochs} done at optimizer step {step}", flush=True)
+
         def on_train_batch_end(self, batch, logs=None):
             step = int(self.model.optimizer.iterations.numpy())
             if kill_at_step is not None and step == kill_at_step:
@@ -77,9 +81,21 @@ def main(smoke: bool) -> dict:
                    "--backup-dir", backup_dir, "--weights", weights_path]
         if kill_at_step is not None:
             command += ["--kill-at-step", str(kill_at_step)]
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        print("   " + "\n   ".join(line for line in done.stdout.splitlines() if line))
-        return done.returncode
+        expected = 0 if kill_at_step is None else -signal.SIGKILL
+        with tempfile.TemporaryFile("w+") as errors:
+            with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors,
+                                  text=True) as child:
+                for line in child.stdout:  # its progress, as it happens
+                    if line.strip():
+                        print("   " + line.rstrip(), flush=True)
+            if child.returncode != expected:
+                errors.seek(0)
+                sys.stderr.write(errors.read())
+                raise SystemExit(
+                    f"the training process exited with code {child.returncode} "
+                    f"(expected {expected}); its error output is above"
+                )
+        return child.returncode
 
     with tempfile.TemporaryDirectory() as work:
         backup, fresh = os.path.join(work, "backup"), os.path.join(work, "fresh")

@@ -1,5 +1,6 @@
 """The documentation site builds with warnings as errors, and covers every example."""
 
+import glob
 import os
 import re
 import subprocess
@@ -52,3 +53,21 @@ def test_every_guide_says_how_to_run_its_example_as_the_example_does():
         assert _words(run) and _words(run) in _words(guide), (
             f"docs/guides/{name}.md does not give the Run: text of examples/{name}.py"
         )
+
+
+def _source_text(directory: str) -> str:
+    """Python sources with adjacent string literals joined, as they print."""
+    text = ""
+    for path in glob.glob(os.path.join(directory, "**", "*.py"), recursive=True):
+        text += open(path).read()
+    return re.sub(r"""["']\s*\n\s*f?["']""", "", text)
+
+
+def test_troubleshooting_quotes_keras_dist_messages_as_they_are():
+    page = open(os.path.join(ROOT, "docs", "troubleshooting.md")).read()
+    source = _source_text(os.path.join(ROOT, "keras_dist"))
+    quoted = re.findall(r"\*\*`(.+?)`\*\* \(keras_dist", page)
+    assert len(quoted) >= 8
+    for message in quoted:
+        for piece in message.split("..."):
+            assert piece.strip() in source, f"no longer in keras_dist: {piece.strip()!r}"
