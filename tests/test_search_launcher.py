@@ -48,3 +48,24 @@ def test_port_in_use(script):
 def test_cli_reports_errors_with_exit_code_2(script, capsys):
     assert cli.main(["tune", "--num-workers", "3", "--workers-per-trial", "2", script]) == 2
     assert "keras-dist tune: error:" in capsys.readouterr().err
+
+
+def test_module_mode_runs_every_process_with_its_role(tmp_path, capfd, monkeypatch):
+    # A module run as `python -m`, in the chief and each tuner worker, with
+    # its arguments; it searches nothing, so every process just exits.
+    (tmp_path / "mysearch.py").write_text(
+        "import os, sys\n"
+        "print('role', os.environ['KERASTUNER_TUNER_ID'], 'args', sys.argv[1:],"
+        " 'main', __name__)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["tune", "--num-workers", "2", "-m", "mysearch", "--", "a", "b"]) == 0
+    out = capfd.readouterr().out
+    for label in ("chief", "tuner0", "tuner1"):
+        assert f"[{label}] role {label} args ['a', 'b'] main __main__" in out
+
+
+def test_missing_module(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="no module of that name"):
+        keras_dist.launch_search("not_a_module_here", num_workers=1, module=True)

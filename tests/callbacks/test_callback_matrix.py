@@ -112,7 +112,10 @@ def test_callback_with_keras_callbacks_and_optimizer(tmp_path, callback, optimiz
     if optimizer == "sgd_momentum":
         assert config["momentum"] == 0.9
 
-    # The loaded model trains on, on the strategy, with the same callbacks.
+    # The loaded model trains on, on the strategy, with the same callbacks
+    # (for the callbacks that act on the optimizer or on saved state).
+    if callback not in ("BackupAndRestore", "LearningRateScaler"):
+        return
     (tmp_path / "again").mkdir()
     before = loaded.get_weights()
     loaded = keras_dist.distribute(loaded, strategy=two_replicas())
