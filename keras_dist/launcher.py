@@ -65,6 +65,9 @@ _STARTUP_NOISE = (
     "To enable the following instructions:",
     "oneDNN custom operations are on",
     "Input of GeneratorDatasetOp::Dataset will not be optimized",
+    # keras_dist configures collective ops at import (before TensorFlow
+    # starts); TensorFlow still warns when the strategy enables them again.
+    "Enabling collective ops after program startup",
 )
 # Progress lines that keras_dist prints in launched processes: shown on the
 # console also when the output goes to log files.
