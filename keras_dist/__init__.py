@@ -6,8 +6,7 @@ for custom training loops; `launch` starts and
 supervises the workers of a multi-worker job (also `keras-dist launch`),
 `launch_search` those of a distributed keras-tuner search (`keras-dist
 tune`, with `keras_dist.tuner`).
-Names are imported on first use, so the launcher starts without loading
-TensorFlow.
+The `keras-dist` command (the launcher) starts without loading TensorFlow.
 """
 
 import importlib as _importlib
@@ -19,7 +18,16 @@ _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # In a task of a multi-worker job, configure TensorFlow's collective ops now,
 # before the user's script builds layers (which starts TensorFlow's runtime).
 # The launcher command itself trains nothing and does not import TensorFlow.
-if not _os.path.basename(_sys.argv[0] if _sys.argv else "").startswith("keras-dist"):
+def _in_launcher() -> bool:
+    """Whether this process is the `keras-dist` command (or `-m keras_dist.cli`)."""
+    if _os.path.basename(_sys.argv[0] if _sys.argv else "").startswith("keras-dist"):
+        return True
+    argv = list(getattr(_sys, "orig_argv", []))
+    return any(a == "-m" and b == "keras_dist.cli" for a, b in zip(argv, argv[1:]))
+
+
+_IN_LAUNCHER = _in_launcher()
+if not _IN_LAUNCHER:
     from keras_dist import _startup as _startup
 
     _startup.configure_collectives()
@@ -65,3 +73,12 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(list(globals()) + list(_EXPORTS))
+
+
+if not _IN_LAUNCHER:
+    # The model classes keras_dist saves under (DistributedFunctional, ...)
+    # are registered with Keras now, so `keras.models.load_model` of a saved
+    # keras_dist model works right after `import keras_dist`. Importing them
+    # imports TensorFlow and Keras but starts nothing: `simulate_replicas`,
+    # `keras_dist.dtensor.initialize` and device settings still work after.
+    from keras_dist import distributed_model as _distributed_model  # noqa: F401

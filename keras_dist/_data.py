@@ -166,16 +166,20 @@ def agree_sum(strategy: tf.distribute.Strategy, values) -> list[int]:
     key = (id(strategy), len(values))
     function = _AGREE_FUNCTIONS.get(key)
     if function is None:
+        # Worker w's replicas are w * local ... w * local + local - 1 in the
+        # sync group: each worker's first is the one whose id `local` divides
+        # (replica 0 alone would be the chief's).
+        local = len(strategy.extended.worker_devices)
 
         @tf.function
-        def contribution(local):
+        def contribution(values):
             context = tf.distribute.get_replica_context()
-            first = tf.equal(context.replica_id_in_sync_group, 0)
-            return tf.where(first, local, tf.zeros_like(local))
+            first = tf.equal(context.replica_id_in_sync_group % local, 0)
+            return tf.where(first, values, tf.zeros_like(values))
 
-        def function(local):
+        def function(values):
             return strategy.reduce(
-                "SUM", strategy.run(contribution, args=(local,)), axis=None
+                "SUM", strategy.run(contribution, args=(values,)), axis=None
             )
 
         _AGREE_FUNCTIONS[key] = function

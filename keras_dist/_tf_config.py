@@ -102,6 +102,17 @@ def parse_tf_config(raw: str | None = None) -> ClusterInfo | None:
                 addresses,
                 'Expected a non-empty list of "host:port" strings.',
             )
+    seen = {}
+    for task_type, addresses in cluster.items():
+        for address in addresses:
+            if address in seen:
+                raise _fail(
+                    f"cluster.{task_type}",
+                    addresses,
+                    f"Address {address!r} appears twice (also in cluster."
+                    f"{seen[address]}): every task needs its own host:port.",
+                )
+            seen[address] = task_type
     if len(cluster.get("chief", [])) > 1:
         raise _fail(
             "cluster.chief", cluster["chief"], "A job has at most one chief."

@@ -553,7 +553,7 @@ class DistributedModel(keras.Model):
             if failed and error is None:
                 raise RuntimeError(
                     f"Saving {str(filepath)!r} failed on {failed} other "
-                    "worker(s) (the chief's output says why); nothing new was "
+                    "worker(s) (their output says why); nothing new was "
                     "kept."
                 )
         if error is not None:

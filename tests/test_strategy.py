@@ -93,6 +93,15 @@ def test_spec_of_wrong_type():
             ),
             "`cluster.worker`",
         ),
+        (
+            json.dumps(
+                {
+                    "cluster": {"worker": ["127.0.0.1:5000", "127.0.0.1:5000"]},
+                    "task": {"type": "worker", "index": 0},
+                }
+            ),
+            "'127.0.0.1:5000' appears twice",
+        ),
     ],
 )
 @pytest.mark.parametrize("spec", ["auto", "multi_worker"])

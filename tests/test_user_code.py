@@ -79,3 +79,28 @@ def test_keras_dist_imported_inside_the_users_scope(tmp_path):
         print("OK", model.distribute_strategy is strategy)
     """))
     assert "OK True" in run([sys.executable, str(script)], tmp_path)
+
+
+def test_a_saved_model_loads_right_after_import_keras_dist(tmp_path):
+    import keras
+
+    import keras_dist
+
+    inputs = keras.Input((3,))
+    functional = keras_dist.DistributedModel(inputs, keras.layers.Dense(2)(inputs))
+    functional.save(tmp_path / "functional.keras")
+    sequential = keras_dist.distribute(
+        keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    )
+    sequential.save(tmp_path / "sequential.keras")
+    script = tmp_path / "load.py"
+    script.write_text(textwrap.dedent("""
+        import keras_dist  # nothing else of keras_dist touched
+        import keras
+        for name in ("functional", "sequential"):
+            model = keras.models.load_model(f"{name}.keras")
+            print(name, type(model).__name__, model.count_params())
+    """))
+    out = run([sys.executable, str(script)], tmp_path)
+    assert "functional DistributedFunctional 8" in out
+    assert "sequential DistributedSequential 8" in out

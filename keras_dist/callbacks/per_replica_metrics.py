@@ -278,6 +278,17 @@ class PerReplicaMetrics(keras.callbacks.Callback):
                     f"Invalid value for argument `{name}`. Expected None or a "
                     f"non-empty path. Received: {name}={value!r}"
                 )
+        if csv_path is not None and os.path.isdir(csv_path):
+            raise ValueError(
+                "Invalid value for argument `csv_path`: it is a directory. "
+                f"Received: csv_path={csv_path!r}. Pass a file path, e.g. "
+                f"{os.path.join(os.fspath(csv_path), 'replicas.csv')!r}."
+            )
+        if log_dir is not None and os.path.exists(log_dir) and not os.path.isdir(log_dir):
+            raise ValueError(
+                "Invalid value for argument `log_dir`: it exists and is not a "
+                f"directory. Received: log_dir={log_dir!r}."
+            )
         if not isinstance(gradient_norm, bool):
             raise TypeError(
                 "Invalid type for argument `gradient_norm`. Expected a bool. "

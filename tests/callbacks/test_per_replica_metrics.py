@@ -128,3 +128,11 @@ def test_straggler_is_named_once_per_episode():
 def test_bad_arguments_are_rejected(kwargs, error, match):
     with pytest.raises(error, match=match):
         PerReplicaMetrics(**kwargs)
+
+
+def test_path_arguments_are_checked_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="`csv_path`: it is a directory"):
+        PerReplicaMetrics(csv_path=tmp_path)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="`log_dir`: it exists and is not a directory"):
+        PerReplicaMetrics(log_dir=tmp_path / "file")

@@ -101,6 +101,14 @@ def test_each_sample_once_per_epoch_across_workers(tmp_path, source):
         np.testing.assert_array_equal(seen, np.ones((2, 50)))
 
 
+def test_every_workers_vote_counts_in_an_agreement(tmp_path):
+    # Preemption and other votes sum one value per worker; a worker other
+    # than the chief must count too.
+    run_workers(WORKER, ["agree", str(tmp_path)], num_workers=3)
+    for rank in (0, 1, 2):
+        assert list(np.load(tmp_path / f"rank{rank}.npz")["sum"]) == [6, 60]
+
+
 def test_failing_worker_shows_every_output(tmp_path):
     with pytest.raises(AssertionError) as info:
         run_workers(WORKER, ["no-such-scenario", str(tmp_path)], timeout=120)

@@ -181,6 +181,12 @@ elif scenario == "callbacks":
     for key, values in history.history.items():
         results[key.replace("/", "__")] = np.array(values)
 
+elif scenario == "agree":
+    # Every worker's vote counts: worker r contributes r + 1 and 10 (r + 1).
+    from keras_dist import _data
+
+    results["sum"] = np.array(_data.agree_sum(strategy, [rank + 1, 10 * (rank + 1)]))
+
 else:
     raise SystemExit(f"unknown scenario {scenario!r}")
 
