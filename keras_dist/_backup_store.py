@@ -27,6 +27,8 @@ import os
 import re
 import shutil
 
+import numpy as np
+
 MANIFEST = "MANIFEST.json"
 STATE = "state.json"
 POINTER = "latest"
@@ -154,25 +156,56 @@ def verify(directory: str) -> dict:
         files = manifest["files"]
         if not isinstance(files, dict) or STATE not in files:
             raise ValueError("no file list")
+        for name, expected in files.items():
+            if os.path.basename(name) != name or name.startswith(".") or not (
+                isinstance(expected, dict)
+                and type(expected.get("bytes")) is int
+                and isinstance(expected.get("sha256"), str)
+            ):
+                raise ValueError(f"malformed entry {name!r}: {expected!r}")
+        on_disk = {
+            name for name in os.listdir(directory)
+            if name != MANIFEST and os.path.isfile(os.path.join(directory, name))
+        }
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CorruptBackupError(manifest_path, f"unreadable manifest ({error})") from None
+    unlisted = sorted(on_disk - set(files))
+    if unlisted:
+        raise CorruptBackupError(
+            os.path.join(directory, unlisted[0]), "not in the manifest (edited backup?)"
+        )
     for name, expected in sorted(files.items()):
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
             raise CorruptBackupError(path, "missing")
         size = os.path.getsize(path)
-        if size != expected.get("bytes"):
+        if size != expected["bytes"]:
             raise CorruptBackupError(
-                path, f"{size} bytes, expected {expected.get('bytes')} (truncated?)"
+                path, f"{size} bytes, expected {expected['bytes']} (truncated?)"
             )
-        if _sha256(path) != expected.get("sha256"):
+        try:
+            digest = _sha256(path)
+        except OSError as error:
+            raise CorruptBackupError(path, f"unreadable ({error})") from None
+        if digest != expected["sha256"]:
             raise CorruptBackupError(path, "checksum mismatch (corrupted)")
+    arrays_path = os.path.join(directory, "arrays.npz")
+    if os.path.isfile(arrays_path):
+        try:  # plain arrays only: never unpickles
+            with np.load(arrays_path, allow_pickle=False) as arrays:
+                for key in arrays.files:
+                    arrays[key]
+        except (OSError, ValueError) as error:
+            raise CorruptBackupError(arrays_path, f"unreadable arrays ({error})") from None
     state_path = os.path.join(directory, STATE)
     try:
         with open(state_path) as f:
-            return json.load(f)
-    except ValueError as error:
+            state = json.load(f)
+    except (OSError, ValueError) as error:
         raise CorruptBackupError(state_path, f"invalid JSON ({error})") from None
+    if not isinstance(state, dict):
+        raise CorruptBackupError(state_path, f"not a JSON object ({type(state).__name__})")
+    return state
 
 
 def delete_all(backup_dir: str) -> None:

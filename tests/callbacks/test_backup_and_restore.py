@@ -142,6 +142,21 @@ def corrupt_flip(path):
         f.write(bytes([byte[0] ^ 0x01]))
 
 
+def corrupt_manifest_entry(path):
+    # Parseable JSON, an entry of the wrong type.
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["files"]["state.json"] = ["bytes", 12]
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
+def add_unlisted(path):
+    # A file the manifest does not list (the manifest edited, or a stray copy).
+    with open(path, "wb") as f:
+        f.write(b"\x00garbage")
+
+
 @pytest.fixture(scope="module")
 def crashed_once(tmp_path_factory):
     """Backups of a run that crashed after 11 steps (two committed)."""
@@ -157,8 +172,10 @@ def crashed_once(tmp_path_factory):
         ("variables.data-00000-of-00001", corrupt_empty),
         ("variables.index", corrupt_flip),
         ("state.json", corrupt_flip),
+        ("MANIFEST.json", corrupt_manifest_entry),
+        ("variables.unlisted", add_unlisted),
     ],
-    ids=["truncated", "zero-byte", "bit-flip", "state"],
+    ids=["truncated", "zero-byte", "bit-flip", "state", "manifest-entry", "unlisted"],
 )
 def test_damaged_latest_backup_falls_back_to_previous(tmp_path, crashed_once, target, damage):
     backup_dir = str(tmp_path / "b")
