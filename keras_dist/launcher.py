@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -144,7 +145,8 @@ class _Group:
         """Starts `python -u *command` once per process.
 
         `processes`: (label, environment variables to set) per process.
-        `annotate(label, line)`: may rewrite a progress line before it is shown.
+        `annotate(group, label, line)`: may rewrite a progress line before it
+        is shown.
         """
         self.grace_period = grace_period
         self.workers: list[_Worker] = []
@@ -201,7 +203,7 @@ class _Group:
                     show = not noise
                 if show:
                     if self.annotate is not None and line.startswith(_PROGRESS_PREFIX):
-                        line = self.annotate(worker.label, line)
+                        line = self.annotate(self, worker.label, line)
                     with self.lock:
                         sys.stdout.write(f"[{worker.label}] {line}")
                         sys.stdout.flush()
@@ -371,8 +373,6 @@ def launch(
 
 def _describe_workers(configs) -> str:
     """'2 workers (127.0.0.1:5001, 127.0.0.1:5002)' or 'worker 1 of 2 (...)'."""
-    import json
-
     cluster = json.loads(configs[0][1])["cluster"]["worker"]
     if len(configs) == len(cluster):
         return f"{len(cluster)} worker(s) ({', '.join(cluster)})"

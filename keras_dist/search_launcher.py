@@ -129,18 +129,16 @@ def launch_search(
         + (f" in {len(groups)} groups of {workers_per_trial}" if workers_per_trial > 1 else "")
     )
     command = ["-m", "keras_dist._tune_run", *python_command(script, script_args, module)]
-    holder = []
 
-    def annotate(label, line):
+    def annotate(group, label, line):
         # The chief's trial lines gain the count of tuner workers running.
-        if label != "chief" or not line.startswith("[keras-dist] trial ") or not holder:
+        if label != "chief" or not line.startswith("[keras-dist] trial "):
             return line
-        running = sum(w.proc.poll() is None for w in holder[0].workers[1:])
+        running = sum(w.proc.poll() is None for w in group.workers[1:])
         return f"{line.rstrip()}; {running}/{num_workers} tuner workers running\n"
 
     with forwarded_signals() as interrupt:
         group = _Group(command, processes, log_dir, grace_period, verbose, annotate)
-        holder.append(group)
         return _supervise(group, groups, interrupt, grace_period, finish_timeout)
 
 

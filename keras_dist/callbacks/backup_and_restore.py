@@ -255,13 +255,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._selected is not None:
             return self._selected[1]
         self._check_dir()
-        chosen = 0
+        chosen, state = 0, None
         if self._chief:
             store.remove_stale_tmp(self.backup_dir)
             for sequence in store.list_backups(self.backup_dir):
                 directory = os.path.join(self.backup_dir, store.backup_name(sequence))
                 try:
-                    store.verify(directory)
+                    state = store.verify(directory)
                 except store.CorruptBackupError as error:
                     warnings.warn(
                         f"BackupAndRestore: skipping damaged backup {directory}: "
@@ -272,8 +272,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 chosen = sequence
                 break
         chosen = _data.agree_sum(strategy, [chosen])[0]
-        state = None
-        if chosen:
+        if chosen and state is None:  # the chief verified its choice above
             directory = os.path.join(self.backup_dir, store.backup_name(chosen))
             try:
                 state = store.verify(directory)
