@@ -29,6 +29,7 @@ import shutil
 
 import numpy as np
 
+FORMAT = 1  # of state.json
 MANIFEST = "MANIFEST.json"
 STATE = "state.json"
 POINTER = "latest"
@@ -205,7 +206,81 @@ def verify(directory: str) -> dict:
         raise CorruptBackupError(state_path, f"invalid JSON ({error})") from None
     if not isinstance(state, dict):
         raise CorruptBackupError(state_path, f"not a JSON object ({type(state).__name__})")
+    if state.get("format") == FORMAT:  # another format is refused by its reader
+        problem = _state_problem(state, arrays_path)
+        if problem:
+            raise CorruptBackupError(state_path, problem)
+        _check_checkpoint(os.path.join(directory, "variables"))
     return state
+
+
+def _is_count(value) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _state_problem(state: dict, arrays_path: str) -> str | None:
+    """What is malformed in a format-1 state, or None."""
+    position = state.get("position")
+    if not isinstance(position, dict):
+        return "no position"
+    for key in ("epoch", "step", "created", "consumed"):
+        if not _is_count(position.get(key)):
+            return f"position {key!r} is {position.get(key)!r}, not a count"
+    if not isinstance(position.get("persistent", False), bool):
+        return f"position 'persistent' is {position.get('persistent')!r}"
+    data = state.get("data", {})
+    if not isinstance(data, dict) or not (
+        data.get("seed") is None or type(data.get("seed")) is int
+    ):
+        return f"malformed data position {data!r}"
+    for key in ("fit", "callbacks"):
+        if not isinstance(state.get(key, {}), dict):
+            return f"{key!r} is not an object"
+    variables = state.get("variables")
+    if not isinstance(variables, dict):
+        return "no variable list"
+    for group in ("model", "optimizer"):
+        described = variables.get(group)
+        if not isinstance(described, list) or not all(
+            isinstance(d, list)
+            and len(d) == 3
+            and isinstance(d[0], str)
+            and isinstance(d[1], list)
+            and all(type(n) is int for n in d[1])
+            and isinstance(d[2], str)
+            for d in described
+        ):
+            return f"malformed variable list {group!r}"
+    needed = []
+    for key, values in state.get("callbacks", {}).items():
+        if not isinstance(values, dict):
+            return f"callback state {key!r} is not an object"
+        count = values.get("best_weights")
+        if count is not None:
+            if not _is_count(count):
+                return f"callback state {key!r}: best_weights is {count!r}"
+            needed += [f"{key}/best_weights/{i}" for i in range(count)]
+    if needed:
+        if not os.path.isfile(arrays_path):
+            return "arrays.npz is missing"
+        with np.load(arrays_path, allow_pickle=False) as arrays:
+            missing = sorted(set(needed) - set(arrays.files))
+        if missing:
+            return f"arrays.npz lacks {missing[0]!r}"
+    return None
+
+
+def _check_checkpoint(prefix: str) -> None:
+    """The variables checkpoint opens (its index parses)."""
+    import tensorflow as tf
+
+    try:
+        tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
+    except (tf.errors.OpError, ValueError) as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise CorruptBackupError(
+            prefix + ".index", f"unreadable checkpoint ({type(error).__name__}: {message})"
+        ) from None
 
 
 def delete_all(backup_dir: str) -> None:

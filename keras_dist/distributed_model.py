@@ -18,6 +18,7 @@ from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 
 from keras_dist import _data
+from keras_dist import _input_checks
 from keras_dist import _keras_compat
 from keras_dist.strategy import StrategySpec
 from keras_dist.strategy import is_default
@@ -315,6 +316,13 @@ class DistributedModel(keras.Model):
         share of every global batch.
         """
         strategy = self._kd_strategy
+        _input_checks.check_fit_arguments(epochs, initial_epoch, validation_split)
+        _input_checks.check_arrays(x, y, sample_weight)
+        _input_checks.check_class_labels(self, y)
+        if isinstance(validation_data, (tuple, list)):
+            vx, vy, vw = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
+            _input_checks.check_arrays(vx, vy, vw, prefix="validation_data's ")
+            _input_checks.check_class_labels(self, vy, "validation_data's y")
         batch_size = _data.global_batch_size(
             strategy, x, batch_size, per_replica_batch_size
         )
@@ -469,6 +477,9 @@ class DistributedModel(keras.Model):
     ):
         """`keras.Model.evaluate`, plus `per_replica_batch_size=`."""
         strategy = self._kd_strategy
+        if not kwargs.get("_use_cached_eval_dataset", False):
+            _input_checks.check_arrays(x, y, sample_weight)
+            _input_checks.check_class_labels(self, y)
         x = _data.protect_python_batches(strategy, x)
         if not kwargs.get("_use_cached_eval_dataset", False):
             batch_size = _data.global_batch_size(
@@ -507,6 +518,7 @@ class DistributedModel(keras.Model):
         Predictions come back in input order, on every worker.
         """
         strategy = self._kd_strategy
+        _input_checks.check_arrays(x)
         batch_size = _data.global_batch_size(
             strategy, x, batch_size, per_replica_batch_size
         )

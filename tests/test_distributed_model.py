@@ -373,6 +373,96 @@ def test_bad_batch_sizes_fail_before_training(kwargs, error, pattern):
     assert max_abs_diff(model.get_weights(), before) == 0
 
 
+def _rows(n, width=8):
+    return np.random.default_rng(0).normal(size=(n, width)).astype("float32")
+
+
+@pytest.mark.parametrize(
+    "arrays, kwargs, error, pattern",
+    [
+        ((60, 64, None), {}, ValueError, r"cardinality.*x: 60, y: 64"),
+        ((64, 60, None), {}, ValueError, r"cardinality.*x: 64, y: 60"),
+        ((64, 64, 10), {}, ValueError, r"cardinality.*sample_weight: 10"),
+        ((0, 0, None), {}, ValueError, r"no samples.*x: 0, y: 0"),
+        ((64, 64, None), dict(validation_split=-0.5), ValueError,
+         r"`validation_split`.*\[0, 1\).*validation_split=-0.5"),
+        ((64, 64, None), dict(validation_split=1.0), ValueError,
+         r"validation_split=1.0"),
+        ((64, 64, None), dict(epochs=1.5), TypeError, r"`epochs`.*epochs=1.5"),
+        ((64, 64, None), dict(epochs=-1), ValueError, r"epochs=-1"),
+        ((64, 64, None), dict(initial_epoch="1"), TypeError, r"initial_epoch='1'"),
+        ((64, 64, None), dict(validation_data=(_rows(8), np.zeros((9, 1)))),
+         ValueError, r"validation_data's x: 8, validation_data's y: 9"),
+    ],
+)
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_bad_input_fails_before_training(arrays, kwargs, error, pattern, shuffle):
+    """What plain Keras refuses up front, keras_dist refuses up front too."""
+    model = compiled()
+    before = model.get_weights()
+    nx, ny, nw = arrays
+    x, y = _rows(nx), np.zeros((ny, 1), "float32")
+    weights = None if nw is None else np.ones(nw, "float32")
+    with pytest.raises(error, match=pattern):
+        model.fit(x, y, sample_weight=weights, batch_size=16, shuffle=shuffle,
+                  verbose=0, **kwargs)
+    assert model.optimizer.iterations.numpy() == 0
+    assert max_abs_diff(model.get_weights(), before) == 0
+
+
+def test_string_arrays_are_refused_and_string_tensors_train():
+    model = compiled()
+    with pytest.raises(ValueError, match=r"`x`.*dtype <U1.*StringLookup"):
+        model.fit(np.array([["a"] * 8] * 16), np.zeros((16, 1)), verbose=0)
+    with pytest.raises(ValueError, match=r"`y`.*dtype <U3"):
+        model.evaluate(_rows(16), np.array(["cat"] * 16), verbose=0)
+    with pytest.raises(ValueError, match="cardinality.*x: 16, y: 8"):
+        model.evaluate(_rows(16), np.zeros((8, 1)), verbose=0)
+    with pytest.raises(ValueError, match=r"`x\[1\]`.*dtype object"):
+        model.predict([_rows(16), np.array([None] * 16)], verbose=0)
+    # Text as a tf.Tensor reaches a model that starts with a text layer.
+    lookup = keras.layers.StringLookup(vocabulary=["a", "b"])
+    inputs = keras.Input((1,), dtype="string")
+    outputs = keras.layers.Dense(1)(keras.ops.cast(lookup(inputs), "float32"))
+    text = keras_dist.distribute(keras.Model(inputs, outputs), "mirrored")
+    text.compile("sgd", "mse")
+    history = text.fit(tf.constant([["a"], ["b"]] * 8), np.zeros((16, 1)),
+                       batch_size=8, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+@pytest.mark.parametrize("loss", [
+    "sparse_categorical_crossentropy",
+    keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    keras.losses.sparse_categorical_crossentropy,
+])
+def test_out_of_range_class_labels_fail_before_training(loss):
+    inputs = keras.Input((8,))
+    model = keras_dist.distribute(
+        keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(inputs)),
+        "mirrored",
+    )
+    model.compile("sgd", loss)
+    x = _rows(32)
+    with pytest.raises(ValueError, match=r"`y`.*\[0, 3\).*label 5"):
+        model.fit(x, np.full(32, 5), batch_size=16, verbose=0)
+    with pytest.raises(ValueError, match=r"`validation_data's y`.*label -1"):
+        model.fit(x, np.zeros(32, "int64"), validation_data=(x, np.full(32, -1)),
+                  verbose=0)
+    with pytest.raises(ValueError, match=r"label 3"):
+        model.evaluate(x, np.arange(32) % 4, verbose=0)
+    assert model.optimizer.iterations.numpy() == 0
+    # Labels in range, and an ignored class, train.
+    model.fit(x, np.arange(32) % 3, batch_size=16, verbose=0)
+    ignoring = keras_dist.distribute(
+        keras.Model(inputs, keras.layers.Dense(3)(inputs)), "mirrored"
+    )
+    ignoring.compile("sgd", keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, ignore_class=-1))
+    ignoring.fit(x, np.where(np.arange(32) % 4 == 3, -1, np.arange(32) % 3),
+                 batch_size=16, verbose=0)
+
+
 def test_bad_validation_batch_size():
     model = compiled()
     x, y = regression_data()

@@ -26,7 +26,7 @@ from keras_dist.strategy import worker_info
 PREEMPTED_EXIT_CODE = 42
 """Exit status of a process that saved a backup on a preemption signal."""
 
-_FORMAT = 1
+_FORMAT = store.FORMAT
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 
 # Attributes of Keras' stateful callbacks that a resumed run needs. Callbacks

@@ -157,6 +157,32 @@ def add_unlisted(path):
         f.write(b"\x00garbage")
 
 
+def resealed(damage):
+    """A damage the checksums cannot see: the manifest is rewritten after it."""
+
+    def apply(path):
+        damage(path)
+        store.seal(os.path.dirname(path))
+
+    return apply
+
+
+def bad_position(path):
+    with open(path) as f:
+        state = json.load(f)
+    state["position"]["step"] = "7"
+    with open(path, "w") as f:
+        json.dump(state, f)
+
+
+def no_variables(path):
+    with open(path) as f:
+        state = json.load(f)
+    state["variables"]["optimizer"] = {"iterations": 3}
+    with open(path, "w") as f:
+        json.dump(state, f)
+
+
 @pytest.fixture(scope="module")
 def crashed_once(tmp_path_factory):
     """Backups of a run that crashed after 11 steps (two committed)."""
@@ -174,8 +200,13 @@ def crashed_once(tmp_path_factory):
         ("state.json", corrupt_flip),
         ("MANIFEST.json", corrupt_manifest_entry),
         ("variables.unlisted", add_unlisted),
+        ("variables.index", resealed(corrupt_flip)),
+        ("variables.index", resealed(corrupt_truncate)),
+        ("state.json", resealed(bad_position)),
+        ("state.json", resealed(no_variables)),
     ],
-    ids=["truncated", "zero-byte", "bit-flip", "state", "manifest-entry", "unlisted"],
+    ids=["truncated", "zero-byte", "bit-flip", "state", "manifest-entry", "unlisted",
+         "index-resealed", "index-truncated-resealed", "state-position", "state-variables"],
 )
 def test_damaged_latest_backup_falls_back_to_previous(tmp_path, crashed_once, target, damage):
     backup_dir = str(tmp_path / "b")
@@ -190,6 +221,44 @@ def test_damaged_latest_backup_falls_back_to_previous(tmp_path, crashed_once, ta
     assert any(bad in str(w.message) for w in record)
     # The previous backup resumes exactly too.
     assert max_abs_diff(reference_weights(), model.get_weights()) < 1e-6
+
+
+def test_unreadable_file_falls_back_to_previous(tmp_path, crashed_once, monkeypatch):
+    """A file that cannot be read (PermissionError) means 'damaged'."""
+    backup_dir = str(tmp_path / "b")
+    shutil.copytree(crashed_once, backup_dir)
+    newest, _ = committed(backup_dir)
+    bad = os.path.join(backup_dir, store.backup_name(newest), "variables.index")
+    real = store._sha256
+
+    def sha256(path):
+        if path == bad:
+            raise PermissionError(13, "Permission denied", path)
+        return real(path)
+
+    monkeypatch.setattr(store, "_sha256", sha256)
+    model = make()
+    with pytest.warns(UserWarning, match="variables.index: unreadable.*Permission denied"):
+        model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+                  callbacks=[BackupAndRestore(backup_dir, save_freq=2)])
+    assert max_abs_diff(reference_weights(), model.get_weights()) < 1e-6
+
+
+def test_early_stopping_weights_missing_from_arrays_is_damage(tmp_path):
+    backup_dir = str(tmp_path / "b")
+    model = make()
+    model.fit(**fit_args("numpy"), epochs=2, verbose=0, callbacks=[
+        BackupAndRestore(backup_dir, delete_checkpoint=False),
+        keras.callbacks.EarlyStopping("loss", patience=9, restore_best_weights=True)])
+    directory = os.path.join(backup_dir, store.backup_name(committed(backup_dir)[0]))
+    state = store.verify(directory)
+    (key,) = [k for k, v in state["callbacks"].items() if "best_weights" in v]
+    arrays = dict(np.load(os.path.join(directory, "arrays.npz")))
+    arrays.pop(f"{key}/best_weights/0")
+    np.savez(os.path.join(directory, "arrays.npz"), **arrays)
+    store.seal(directory)
+    with pytest.raises(store.CorruptBackupError, match="arrays.npz lacks"):
+        store.verify(directory)
 
 
 def test_backups_are_atomic_and_bounded(tmp_path):

@@ -1,0 +1,176 @@
+"""Checks of in-memory input and fit arguments, made before any work starts.
+
+Keras checks most of this inside its array adapter; keras_dist turns arrays
+into its own seeded dataset first (see `_data.array_dataset`), so it checks
+the same things itself, and a few more that would otherwise fail only after
+TensorFlow started working (out-of-range class labels, a negative
+`validation_split`, a fractional `epochs`).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+def _is_array(value) -> bool:
+    return isinstance(value, (np.ndarray, tf.Tensor))
+
+
+def _arrays(name: str, value) -> list[tuple[str, object]]:
+    """(label, array) for each array leaf of `value`, labelled for messages."""
+    if value is None:
+        return []
+    if _is_array(value):
+        return [(name, value)]
+    if isinstance(value, dict):
+        leaves = []
+        for key in sorted(value, key=str):
+            leaves += _arrays(f"{name}[{key!r}]", value[key])
+        return leaves
+    if isinstance(value, (list, tuple)):
+        leaves = []
+        for i, item in enumerate(value):
+            leaves += _arrays(f"{name}[{i}]", item)
+        return leaves
+    return []
+
+
+def check_arrays(x, y=None, sample_weight=None, prefix: str = "") -> None:
+    """Same number of samples everywhere, at least one, numeric dtypes.
+
+    Raises:
+        ValueError: naming each argument with its number of samples (or the
+            offending dtype) and the fix.
+    """
+    leaves = (
+        _arrays(prefix + "x", x)
+        + _arrays(prefix + "y", y)
+        + _arrays(prefix + "sample_weight", sample_weight)
+    )
+    if not leaves:
+        return
+    sizes = {}
+    for label, array in leaves:
+        shape = array.shape
+        if len(shape) == 0:
+            raise ValueError(
+                f"Invalid value for argument `{label}`: a scalar has no "
+                f"samples. Received: {label} with shape (). Pass an array "
+                "whose first dimension indexes the samples."
+            )
+        sizes[label] = None if shape[0] is None else int(shape[0])
+        _check_dtype(label, array)
+    known = {size for size in sizes.values() if size is not None}
+    if len(known) > 1:
+        listed = ", ".join(f"{label}: {size}" for label, size in sizes.items())
+        raise ValueError(
+            "Data cardinality is ambiguous: every array must hold the same "
+            f"number of samples (first dimension). Received: {listed}. Pass "
+            "arrays of equal length (one row per sample in each)."
+        )
+    if known == {0}:
+        listed = ", ".join(f"{label}: {size}" for label, size in sizes.items())
+        raise ValueError(
+            "Invalid input: the arrays hold no samples. Received: "
+            f"{listed}. Pass at least one sample."
+        )
+
+
+def _check_dtype(label: str, array) -> None:
+    # As Keras: NumPy arrays of strings or objects are refused; a tf.Tensor
+    # of strings is fine (a model may start with a text layer).
+    if isinstance(array, tf.Tensor) or array.dtype.kind in "biufc":
+        return
+    raise ValueError(
+        f"Invalid dtype for argument `{label}`: NumPy arrays must hold "
+        f"numbers. Received: {label} of dtype {array.dtype}. Convert strings "
+        "to numbers first (e.g. `keras.layers.StringLookup`), or pass text "
+        "as a `tf.constant` to a model that starts with a text layer."
+    )
+
+
+def check_fit_arguments(epochs, initial_epoch, validation_split) -> None:
+    for name, value in (("epochs", epochs), ("initial_epoch", initial_epoch)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise TypeError(
+                f"Invalid type for argument `{name}`. Expected a non-negative "
+                f"integer. Received: {name}={value!r} of type "
+                f"{type(value).__name__}."
+            )
+        if value < 0:
+            raise ValueError(
+                f"Invalid value for argument `{name}`. Expected a non-negative "
+                f"integer. Received: {name}={value}."
+            )
+    if (
+        not isinstance(validation_split, numbers.Real)
+        or isinstance(validation_split, bool)
+        or not 0.0 <= validation_split < 1.0
+    ):
+        raise ValueError(
+            "Invalid value for argument `validation_split`. Expected a "
+            "fraction of the samples in [0, 1). Received: "
+            f"validation_split={validation_split!r}. Pass e.g. 0.2 to "
+            "validate on the last 20% of the samples, or 0 for none."
+        )
+
+
+# -- class labels ---------------------------------------------------------------
+
+_SPARSE_NAMES = ("sparse_categorical_crossentropy",)
+
+
+def _sparse_loss(loss):
+    """(is sparse categorical crossentropy, ignore_class) for a compiled loss."""
+    if isinstance(loss, str):
+        return loss in _SPARSE_NAMES, None
+    if isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
+        return True, getattr(loss, "ignore_class", None)
+    if loss is keras.losses.sparse_categorical_crossentropy:
+        return True, None
+    return False, None
+
+
+def check_class_labels(model, y, argument: str = "y") -> None:
+    """Integer labels of a sparse categorical loss lie in [0, classes).
+
+    Checked for a single-output model whose class count is known; TensorFlow
+    would otherwise fail inside the first step on CPUs, and give NaN losses
+    silently on GPUs.
+    """
+    if not _is_array(y) or getattr(model, "loss", None) is None:
+        return
+    sparse, ignore_class = _sparse_loss(model.loss)
+    if not sparse:
+        return
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):
+        return
+    if not outputs or len(outputs) != 1:
+        return
+    classes = outputs[0].shape[-1]
+    if classes is None:
+        return
+    labels = np.asarray(y)
+    if labels.dtype.kind not in "iu" or labels.size == 0:
+        return
+    if ignore_class is not None:
+        labels = labels[labels != ignore_class]
+        if labels.size == 0:
+            return
+    low, high = int(labels.min()), int(labels.max())
+    if low < 0 or high >= classes:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"Invalid value in argument `{argument}`: the loss "
+            "sparse_categorical_crossentropy takes class indices in "
+            f"[0, {classes}) for this model's {classes} outputs. Received: "
+            f"a label {bad} (labels range from {low} to {high}). Map the "
+            "labels to 0..classes-1, or give the last layer as many units as "
+            "there are classes."
+        )
