@@ -28,8 +28,10 @@ def _in_launcher() -> bool:
 
 _IN_LAUNCHER = _in_launcher()
 if not _IN_LAUNCHER:
+    from keras_dist import _liveness as _liveness
     from keras_dist import _startup as _startup
 
+    _liveness.start()  # only in a process started by keras-dist launch/tune
     _startup.configure_collectives()
 
 __version__ = "0.1.0"

@@ -43,6 +43,8 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.losses import loss as keras_loss
 
+from keras_dist import _liveness
+
 TESTED_KERAS_VERSIONS = ("3.15",)
 
 if not keras.__version__.startswith(TESTED_KERAS_VERSIONS):  # pragma: no cover
@@ -167,14 +169,18 @@ def make_function(model, step_function, before_input=None):
         )
 
     def function(iterator):
-        if isinstance(
-            iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
-        ):
-            return multi_step_on_iterator(iterator)
-        outputs = None
-        for _, data in zip(range(steps_per_execution), iterator):
-            outputs = one_step_on_data(data)
-        return outputs
+        _liveness.step_begins()  # for the launcher's hang detection
+        try:
+            if isinstance(
+                iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
+            ):
+                return multi_step_on_iterator(iterator)
+            outputs = None
+            for _, data in zip(range(steps_per_execution), iterator):
+                outputs = one_step_on_data(data)
+            return outputs
+        finally:
+            _liveness.step()
 
     return function
 
@@ -349,7 +355,15 @@ def make_predict_function(model):
         predict_function = one_step_on_data_distributed
     if not model.run_eagerly:
         predict_function = tf.function(predict_function, reduce_retracing=True)
-    return predict_function, dtypes
+
+    def counted(data):
+        _liveness.step_begins()  # for the launcher's hang detection
+        try:
+            return predict_function(data)
+        finally:
+            _liveness.step()
+
+    return counted, dtypes
 
 
 def restore_dtypes(outputs, dtypes):

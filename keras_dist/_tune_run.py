@@ -109,6 +109,27 @@ def _prepare(role: str, in_group: bool) -> None:
         base_tuner.BaseTuner.__init__ = _prepare_worker(
             base_tuner.BaseTuner.__init__, in_group
         )
+        base_tuner.BaseTuner._try_run_and_update_trial = _active_in_trials(
+            base_tuner.BaseTuner._try_run_and_update_trial
+        )
+
+
+def _active_in_trials(run):
+    """The launcher's hang clock runs inside trials only: between trials a
+    worker may wait for the oracle as long as the search needs."""
+    from keras_dist import _liveness
+
+    _liveness.set_active(False)
+
+    @functools.wraps(run)
+    def run_trial(*args, **kwargs):
+        _liveness.set_active(True)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            _liveness.set_active(False)
+
+    return run_trial
 
 
 def main(argv: list[str]) -> None:

@@ -120,6 +120,18 @@ def _common(command, kind: str) -> None:
                          help=f"the {kind} script is a module name (python -m)")
     command.add_argument("-v", "--verbose", action="store_true",
                          help="show TensorFlow's start-up lines and C++ INFO logs")
+    command.add_argument("--start-timeout", type=float, default=300.0,
+                         metavar="SECONDS",
+                         help="stop the job when a worker of a multi-worker "
+                         "group has not joined its cluster after this long "
+                         "(0: no limit)")
+    command.add_argument("--hang-timeout", type=float, default=900.0,
+                         metavar="SECONDS",
+                         help="stop the job when a worker makes no step for "
+                         "this long after it joined"
+                         + (" (inside a trial)" if kind != "training" else "")
+                         + " (0: no limit); a stopped or silent process is "
+                         "reported after 15 s")
     nargs = "?" if kind == "training" else None
     command.add_argument("script", nargs=nargs, help=f"the {kind} script (or module)")
     command.add_argument("script_args", nargs=argparse.REMAINDER,
@@ -158,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                 finish_timeout=args.finish_timeout,
                 module=args.module,
                 verbose=args.verbose,
+                start_timeout=args.start_timeout or None,
+                hang_timeout=args.hang_timeout or None,
             )
         except (ValueError, TypeError) as e:
             print(f"keras-dist tune: error: {e}", file=sys.stderr)
@@ -183,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             module=args.module,
             port=args.port,
             verbose=args.verbose,
+            start_timeout=args.start_timeout or None,
+            hang_timeout=args.hang_timeout or None,
         )
     except (ValueError, TypeError) as e:
         print(f"keras-dist launch: error: {e}", file=sys.stderr)

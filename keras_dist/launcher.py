@@ -6,18 +6,24 @@ import collections
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from collections.abc import Sequence
 
 from keras_dist import _cluster_spec
-from keras_dist._checks import check_log_dir, check_script, check_seconds
+from keras_dist import _exit_codes
+from keras_dist import _liveness
+from keras_dist._checks import check_log_dir, check_script, check_seconds, check_timeout
 
 _TAIL_LINES = 40
+HANG_EXIT_CODE = _exit_codes.HANG
+PREEMPTED_EXIT_CODE = _exit_codes.PREEMPTED
 
 
 def _say(message: str) -> None:
@@ -33,6 +39,7 @@ class _Worker:
         default_factory=lambda: collections.deque(maxlen=_TAIL_LINES)
     )
     reader: threading.Thread | None = None
+    watch: _liveness.Watch | None = None
 
 
 @dataclass
@@ -141,12 +148,12 @@ class _Group:
     """One generation of worker processes, supervised together."""
 
     def __init__(self, command, processes, log_dir, grace_period, verbose=False,
-                 annotate=None):
+                 annotate=None, timeouts=None):
         """Starts `python -u *command` once per process.
 
         `processes`: (label, environment variables to set) per process.
         `annotate(group, label, line)`: may rewrite a progress line before it
-        is shown.
+        is shown. `timeouts`: the liveness limits (`_liveness.Timeouts`).
         """
         self.grace_period = grace_period
         self.workers: list[_Worker] = []
@@ -154,10 +161,15 @@ class _Group:
         self.log_dir = log_dir
         self.verbose = verbose
         self.annotate = annotate
+        self.timeouts = timeouts or _liveness.Timeouts()
         self.started = time.monotonic()
+        self.heartbeats = tempfile.mkdtemp(prefix="keras_dist_heartbeat_")
+        self._next_check = 0.0
         for label, variables in processes:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             env[_cluster_spec.LAUNCHED_ENV] = "1"
+            heartbeat = os.path.join(self.heartbeats, label.replace(" ", "-"))
+            env[_liveness.ENV] = heartbeat
             if not verbose:
                 env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
             for key, value in variables.items():
@@ -176,6 +188,10 @@ class _Group:
                 start_new_session=True,  # own process group: we stop it whole
             )
             worker = _Worker(label, proc)
+            worker.watch = _liveness.Watch(
+                proc.pid, heartbeat, _in_cluster(variables.get("TF_CONFIG")),
+                self.timeouts,
+            )
             worker.reader = threading.Thread(
                 target=self._pump, args=(worker,), daemon=True
             )
@@ -217,6 +233,50 @@ class _Group:
     def stop(self, signum: int = signal.SIGTERM) -> None:
         """Sends `signum`, waits the grace period, then kills what is left."""
         stop_workers(self.workers, self.grace_period, signum)
+        shutil.rmtree(self.heartbeats, ignore_errors=True)
+
+    def unresponsive(self, workers=None):
+        """(worker, what is wrong) for the first running worker that hangs,
+        never joined or stopped responding; checked about once a second."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return None
+        self._next_check = now + 1.0
+        found = []
+        for index, worker in enumerate(workers if workers is not None else self.workers):
+            if worker.proc.poll() is None and worker.watch is not None:
+                problem = worker.watch.check()
+                if problem:
+                    found.append((problem[0], index, worker, problem[1]))
+        if not found:
+            return None
+        _, _, worker, problem = min(found, key=lambda f: f[:2])
+        return worker, problem
+
+    def report_hang(self, worker, problem: str) -> str:
+        """Says which worker hangs and how, with its last lines."""
+        reason = f"{worker.label} {problem}"
+        others = [
+            f"{w.label}: {w.watch.summary()}" for w in self.workers
+            if w is not worker and w.watch is not None and w.proc.poll() is None
+        ]
+        _say(f"{reason}" + (f" (others: {'; '.join(others)})" if others else ""))
+        _say(f"last lines of {worker.label}'s output:\n{''.join(worker.tail).rstrip()}")
+        return reason
+
+    def stopped_peer(self, failed) -> str:
+        """'worker 1 stopped responding (...)' when a stopped peer probably
+        caused `failed` to fail; '' otherwise."""
+        for worker in self.workers:
+            if worker is failed or worker.proc.poll() is not None:
+                continue
+            state, _ = _liveness.process_state(worker.proc.pid)
+            if state in ("T", "t"):
+                return (
+                    f"{worker.label} stopped responding: its process is stopped "
+                    f"(state {state}: SIGSTOP, or a debugger)"
+                )
+        return ""
 
     def wait(self, interrupt: list[int]) -> _Outcome:
         while True:
@@ -233,20 +293,52 @@ class _Group:
                 if code not in (None, 0):
                     worker.reader.join(timeout=2)
                     reason = f"{worker.label} {_describe_exit(code)}"
+                    if code == PREEMPTED_EXIT_CODE:
+                        reason += " (preempted: it saved a backup)"
+                        # The others agreed to save and exit too: let them.
+                        self._await_exit(self.grace_period)
+                    cause = self.stopped_peer(worker)
+                    if cause:
+                        reason = f"{cause}; {reason} (its peer stopped answering)"
                     _say(f"{reason}; stopping the other workers")
                     self.stop()
                     tail = "".join(worker.tail)
                     _say(f"last lines of {worker.label}'s output:\n{tail.rstrip()}")
                     return _Outcome(
-                        _exit_status(code),
+                        HANG_EXIT_CODE if cause else _exit_status(code),
                         reason,
                         port_conflict=any(m in tail for m in _PORT_CONFLICT_MARKERS),
                     )
             if all(code == 0 for code in codes):
                 for worker in self.workers:
                     worker.reader.join(timeout=5)
+                shutil.rmtree(self.heartbeats, ignore_errors=True)
                 return _Outcome(0)
+            hung = self.unresponsive()
+            if hung is not None:
+                reason = self.report_hang(*hung)
+                _say("stopping the workers")
+                self.stop()
+                return _Outcome(HANG_EXIT_CODE, reason)
             time.sleep(0.05)
+
+    def _await_exit(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and any(
+            w.proc.poll() is None for w in self.workers
+        ):
+            time.sleep(0.05)
+
+
+def _in_cluster(tf_config: str | None) -> bool:
+    """Whether a process's TF_CONFIG makes it one of several workers."""
+    if not tf_config:
+        return False
+    try:
+        cluster = json.loads(tf_config).get("cluster", {})
+    except (ValueError, AttributeError):
+        return False
+    return sum(len(v) for k, v in cluster.items() if k in ("chief", "worker")) > 1
 
 
 def launch(
@@ -262,6 +354,8 @@ def launch(
     module: bool = False,
     port: int | None = None,
     verbose: bool = False,
+    start_timeout: float | None = 300.0,
+    hang_timeout: float | None = 900.0,
 ) -> int:
     """Runs `script` as the workers of a multi-worker job and supervises them.
 
@@ -279,6 +373,16 @@ def launch(
     `max_restarts=K` the whole group is restarted (fresh ports) up to K
     times, so a job that backs itself up resumes by itself. SIGINT/SIGTERM
     are forwarded to the workers, which get `grace_period` seconds to exit.
+
+    Hangs are detected without any network listener: each worker writes a
+    heartbeat file that the launcher reads. A worker that has not joined
+    its cluster after `start_timeout` seconds, that makes no step (train,
+    test or predict call) for `hang_timeout` seconds after it joined, or
+    whose process is stopped (SIGSTOP, a debugger) or silent without using
+    CPU for 15 s, is named with its last lines; the group is stopped
+    (exit status 124) and restarted if `max_restarts` allows. A worker that
+    exits 42 (a `BackupAndRestore` preemption save) gets the grace period
+    for the others to finish their save too.
 
     Args:
         script: Path of the Python script every worker runs.
@@ -301,10 +405,14 @@ def launch(
             (no GPU found, CPU build flags, C++ INFO logs) on the console;
             without it they are kept out of the console (log files and the
             report of a failed worker keep what the worker printed).
+        start_timeout: Seconds (default 300) each worker of a multi-worker
+            group gets to join its cluster; None: no limit.
+        hang_timeout: Seconds (default 900) a worker may go without a step
+            once it joined its cluster; None: no limit.
 
     Returns:
         0 when every worker succeeded; otherwise the failed worker's exit
-        code (128 + signal number for a signal).
+        code (128 + signal number for a signal; 124 for a hang).
 
     Example:
 
@@ -319,6 +427,9 @@ def launch(
     """
     configs_for = _plan(script, num_workers, hosts, rank, max_restarts, log_dir,
                         grace_period, module, port)
+    check_timeout("start_timeout", start_timeout)
+    check_timeout("hang_timeout", hang_timeout)
+    timeouts = _liveness.Timeouts(start=start_timeout, hang=hang_timeout)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
     command = python_command(script, script_args, module)
@@ -335,7 +446,8 @@ def launch(
                 + " ".join(command)
                 + (f" (output in {log_dir}/worker-<rank>.log)" if log_dir else "")
             )
-            group = _Group(command, processes, log_dir, grace_period, verbose)
+            group = _Group(command, processes, log_dir, grace_period, verbose,
+                           timeouts=timeouts)
             outcome = group.wait(interrupt)
             if (
                 outcome.port_conflict

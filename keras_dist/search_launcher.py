@@ -7,8 +7,10 @@ import time
 from collections.abc import Sequence
 
 from keras_dist import _cluster_spec
-from keras_dist._checks import check_log_dir, check_script, check_seconds
+from keras_dist import _liveness
+from keras_dist._checks import check_log_dir, check_script, check_seconds, check_timeout
 from keras_dist.launcher import (
+    HANG_EXIT_CODE,
     _Group,
     python_command,
     _describe_exit,
@@ -31,6 +33,8 @@ def launch_search(
     finish_timeout: float = 300.0,
     module: bool = False,
     verbose: bool = False,
+    start_timeout: float | None = 300.0,
+    hang_timeout: float | None = 900.0,
 ) -> int:
     """Runs `script` as the chief and tuner workers of a search; supervises them.
 
@@ -97,6 +101,9 @@ def launch_search(
     """
     _check(script, num_workers, workers_per_trial, port, log_dir,
            grace_period, finish_timeout, module)
+    check_timeout("start_timeout", start_timeout)
+    check_timeout("hang_timeout", hang_timeout)
+    timeouts = _liveness.Timeouts(start=start_timeout, hang=hang_timeout)
     if port is None:
         port = _cluster_spec.loopback_ports(1)[0]
     oracle = {
@@ -138,7 +145,8 @@ def launch_search(
         return f"{line.rstrip()}; {running}/{num_workers} tuner workers running\n"
 
     with forwarded_signals() as interrupt:
-        group = _Group(command, processes, log_dir, grace_period, verbose, annotate)
+        group = _Group(command, processes, log_dir, grace_period, verbose, annotate,
+                       timeouts)
         return _supervise(group, groups, interrupt, grace_period, finish_timeout)
 
 
@@ -176,6 +184,17 @@ def _supervise(group, groups, interrupt, grace_period, finish_timeout) -> int:
                 + (f"; {len(deaths)} tuner worker(s) died: {'; '.join(deaths)}" if deaths else "")
             )
             return 0
+        hung = group.unresponsive([chief] + [w for w in workers if w.label not in reported])
+        if hung is not None and hung[0] is chief:
+            group.report_hang(*hung)
+            _say("stopping the search")
+            group.stop()
+            return HANG_EXIT_CODE
+        if hung is not None:
+            worker, problem = hung
+            group.report_hang(worker, problem)
+            _say(f"stopping {worker.label}")
+            stop_workers([worker], grace_period)
         for worker in workers:
             wcode = worker.proc.poll()
             if wcode is None or wcode == 0 or worker.label in reported:
@@ -183,9 +202,12 @@ def _supervise(group, groups, interrupt, grace_period, finish_timeout) -> int:
             reported.add(worker.label)
             worker.reader.join(timeout=2)
             tuner_id = group_of[worker.label]
-            deaths.append(f"{worker.label} {_describe_exit(wcode)}")
+            how = _describe_exit(wcode)
+            if hung is not None and worker is hung[0]:
+                how = f"hung ({hung[1]}) and was stopped"
+            deaths.append(f"{worker.label} {how}")
             _say(
-                f"tuner worker {worker.label} {_describe_exit(wcode)}; its trial "
+                f"tuner worker {worker.label} {how}; its trial "
                 f"goes back to the oracle once {tuner_id} has been silent for "
                 "the tuner's worker_timeout; the search continues with the "
                 f"other workers. Last lines of its output:\n"

@@ -20,6 +20,7 @@ from typing import Literal, Union
 import tensorflow as tf
 
 from keras_dist import _tf_config
+from keras_dist import _liveness
 from keras_dist._cluster_spec import LAUNCHED_ENV
 
 StrategySpec = Union[
@@ -240,6 +241,7 @@ def _multi_worker() -> tf.distribute.Strategy:
         else:
             resolver = None
         started = time.monotonic()
+        _liveness.joining()
         try:
             _cache[key] = tf.distribute.MultiWorkerMirroredStrategy(
                 cluster_resolver=resolver
@@ -256,6 +258,7 @@ def _multi_worker() -> tf.distribute.Strategy:
                 "configures them at import), or create the strategy first. "
                 f"TensorFlow said: {e}"
             ) from None
+        _liveness.joined()
         if os.environ.get(LAUNCHED_ENV):
             # A progress line for the launcher's console (shown even when
             # the workers' output goes to log files).

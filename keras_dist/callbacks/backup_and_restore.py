@@ -19,11 +19,12 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _backup_store as store
+from keras_dist import _exit_codes
 from keras_dist import _data
 from keras_dist import _keras_compat
 from keras_dist.strategy import worker_info
 
-PREEMPTED_EXIT_CODE = 42
+PREEMPTED_EXIT_CODE = _exit_codes.PREEMPTED
 """Exit status of a process that saved a backup on a preemption signal."""
 
 _FORMAT = store.FORMAT

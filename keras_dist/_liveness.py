@@ -1,0 +1,268 @@
+"""Heartbeats from launched workers, and the launcher's view of them.
+
+A process started by `keras-dist launch` / `keras-dist tune` gets the path
+of a heartbeat file in `KERAS_DIST_HEARTBEAT`. On `import keras_dist` a
+daemon thread rewrites that file every second (no network listener): when
+the process last beat, whether it joined its cluster, how many steps it has
+run and when the last one ended. keras_dist's train / test / predict
+functions count the steps.
+
+The launcher reads the files (and `/proc` where there is one) to tell apart:
+- a worker that never joins its cluster (`start_timeout`),
+- a worker that makes no step for `hang_timeout` seconds while it should
+  (it joined its cluster, or it is inside a tuner trial),
+- a worker whose process stopped responding: stopped by a signal, or silent
+  (no heartbeat) while using no CPU, for `unresponsive_after` seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+ENV = "KERAS_DIST_HEARTBEAT"
+INTERVAL = 1.0
+# How long a silent process (no heartbeat, no CPU use) and a stopped one
+# (state T in /proc: it cannot be busy) are given before they are reported.
+# TensorFlow's coordination service makes the peers fail about 10 s after a
+# worker stops; the launcher then names the stopped worker as the cause.
+UNRESPONSIVE_AFTER = 15.0
+STOPPED_AFTER = 5.0
+
+_path = os.environ.get(ENV)
+_state = {
+    "joining": False, "joined": False, "active": True, "steps": 0, "progress": time.time(),
+    "in_step": False,
+}
+_MAIN = threading.main_thread().ident
+_thread: threading.Thread | None = None
+
+
+# -- in the worker -------------------------------------------------------------
+
+
+def start() -> None:
+    """Starts the heartbeat thread once, in a launched process."""
+    global _thread
+    if not _path or _thread is not None:
+        return
+    _thread = threading.Thread(target=_beat, name="keras-dist-heartbeat", daemon=True)
+    _thread.start()
+
+
+def _beat() -> None:
+    while True:
+        _write()
+        time.sleep(INTERVAL)
+
+
+_write_lock = threading.Lock()
+
+
+def _where() -> str:
+    """Where the main thread is: its innermost frame in the user's code."""
+    frame = sys._current_frames().get(_MAIN)
+    innermost = None
+    while frame is not None:
+        name = frame.f_code.co_filename
+        here = f"{os.path.basename(name)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        innermost = innermost or here
+        if not any(part in name for part in _LIBRARY_PATHS):
+            return here
+        frame = frame.f_back
+    return innermost or "unknown"
+
+
+_LIBRARY_PATHS = (
+    os.sep + "site-packages" + os.sep,
+    os.sep + "dist-packages" + os.sep,
+    os.path.dirname(os.__file__) + os.sep,
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    "<frozen ",
+)
+
+
+def _write() -> None:
+    payload = dict(_state, pid=os.getpid(), time=time.time(), where=_where())
+    with _write_lock:
+        tmp = f"{_path}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(payload, f)
+            os.replace(tmp, _path)
+        except OSError:
+            pass  # the launcher's directory went away: it is gone too
+
+
+def step_begins() -> None:
+    """A train / test / predict call starts (it may wait in a collective)."""
+    if _path:
+        _state["in_step"] = True
+
+
+def step() -> None:
+    """One train / test / predict call finished (cheap: no I/O)."""
+    if _path:
+        _state["in_step"] = False
+        _state["steps"] += 1
+        _state["progress"] = time.time()
+
+
+def joining() -> None:
+    """The process is creating its multi-worker strategy (waits for peers)."""
+    if _path:
+        _state["joining"] = True
+        # Now: TensorFlow may hold Python's lock while it waits for the
+        # other workers, which would keep the thread from writing.
+        _write()
+
+
+def joined() -> None:
+    """The process's multi-worker cluster formed."""
+    if _path:
+        _state["joined"] = True
+        _state["progress"] = time.time()
+        _write()
+
+
+def set_active(active: bool) -> None:
+    """Whether a long wait without steps is expected now (False: e.g. a tuner
+    worker waiting for its next trial)."""
+    if _path:
+        _state["active"] = active
+        _state["progress"] = time.time()
+
+
+# -- in the launcher -----------------------------------------------------------
+
+
+@dataclass
+class Timeouts:
+    """The launcher's limits, in seconds (None: not checked)."""
+
+    start: float | None = 300.0
+    hang: float | None = 600.0
+    unresponsive: float = UNRESPONSIVE_AFTER
+
+
+def read(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def process_state(pid: int) -> tuple[str | None, float | None]:
+    """(state letter, CPU seconds) from /proc, or (None, None) without it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None, None
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    # Fields after the command: state, ..., utime (12th), stime (13th).
+    return fields[0], (int(fields[11]) + int(fields[12])) / ticks
+
+
+class Watch:
+    """The launcher's record of one process: call `check` about every second."""
+
+    def __init__(self, pid: int, heartbeat: str, multi_worker: bool, timeouts: Timeouts):
+        self.pid = pid
+        self.heartbeat = heartbeat
+        self.multi_worker = multi_worker
+        self.timeouts = timeouts
+        self.started = time.time()
+        self.quiet_since: float | None = None  # stopped, or silent with no CPU use
+        self.quiet_cpu: float | None = None
+        self.last: dict | None = None
+
+    def check(self) -> tuple[int, str] | None:
+        """(how likely the cause, lowest first; what is wrong), or None.
+
+        A stopped or silent process is the likeliest cause, then one that
+        never started joining its cluster, then one waiting for the others
+        to join, then one without steps (the fewer steps, the likelier).
+        """
+        now = time.time()
+        beat = read(self.heartbeat)
+        if beat is not None:
+            self.last = beat
+        state, cpu = process_state(self.pid)
+        if state is None and beat is None:
+            return None
+        stopped = state in ("T", "t")
+        silent = beat is not None and now - beat["time"] > 3 * INTERVAL
+        if not (stopped or silent):
+            self.quiet_since = None
+        elif self.quiet_since is None or (
+            not stopped and cpu is not None and cpu != self.quiet_cpu
+        ):
+            # Quiet from now on; a silent process that uses CPU is busy (a
+            # long call holding Python's lock), not stuck: its window restarts.
+            self.quiet_since, self.quiet_cpu = now, cpu
+        elif now - self.quiet_since >= (
+            min(STOPPED_AFTER, self.timeouts.unresponsive) if stopped
+            else self.timeouts.unresponsive
+        ):
+            if stopped:
+                return 0, (
+                    "stopped responding: its process has been stopped "
+                    f"(state {state}: SIGSTOP, or a debugger) for "
+                    f"{now - self.quiet_since:.0f}s"
+                )
+            return 0, (
+                "stopped responding: no heartbeat and no CPU use for "
+                f"{now - self.quiet_since:.0f}s (process state {state or 'unknown'})"
+            )
+        last = self.last or {}
+        joined = bool(last.get("joined")) or last.get("steps", 0) > 0
+        limit = self.timeouts.start
+        if self.multi_worker and limit and not joined and now - self.started > limit:
+            if last.get("joining"):
+                return 2, (
+                    f"never joined the cluster within {limit:g}s (it waited "
+                    "for the other workers to join)"
+                )
+            doing = (
+                "keras_dist was imported, but no multi-worker strategy was "
+                "created" if self.last is not None
+                else "it never even imported keras_dist"
+            )
+            return 1, f"never joined the cluster within {limit:g}s ({doing})"
+        limit = self.timeouts.hang
+        if limit and self.last is not None and last.get("active", True) and (
+            joined or (not self.multi_worker and last.get("steps", 0) > 0)
+        ):
+            idle = now - float(last.get("progress", now))
+            if idle > limit:
+                steps = last.get("steps", 0)
+                rank = 4 if last.get("in_step") else 3
+                where = (
+                    "inside a step (a collective waits for its peers?)"
+                    if last.get("in_step") else f"at {last.get('where', 'unknown')}"
+                )
+                return rank + steps / 1e9, (
+                    f"made no step for {idle:.0f}s (limit {limit:g}s), {where}; "
+                    + (f"{steps} step(s) before that" if steps else "no step since it joined the cluster")
+                )
+        return None
+
+    def summary(self) -> str:
+        last = self.last
+        if last is None:
+            return "no heartbeat yet (keras_dist not imported)"
+        if not last.get("joined") and self.multi_worker:
+            if last.get("joining"):
+                return "waiting for the other workers to join"
+            return "has not started joining"
+        where = "inside a step" if last.get("in_step") else f"at {last.get('where', '?')}"
+        return (
+            f"{last.get('steps', 0)} step(s), last progress "
+            f"{time.time() - float(last.get('progress', time.time())):.0f}s ago, {where}"
+        )
