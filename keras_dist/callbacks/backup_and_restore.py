@@ -597,6 +597,20 @@ class BackupAndRestore(keras.callbacks.Callback):
                 store.seal(target)
                 store.commit(target, self.backup_dir, sequence)
                 store.prune(self.backup_dir, self.max_to_keep)
+        except (OSError, tf.errors.OpError) as error:
+            kept = store.list_backups(self.backup_dir) if self._chief else []
+            raise RuntimeError(
+                f"BackupAndRestore: writing backup {sequence} to "
+                f"{self.backup_dir!r} failed ({type(error).__name__}: "
+                f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}). "
+                + (
+                    f"The backups already saved are intact (newest: "
+                    f"{store.backup_name(kept[0])}): fix the cause (disk space, "
+                    "permissions) and run the same fit again to resume from it."
+                    if kept else
+                    "Fix the cause (disk space, permissions) and run again."
+                )
+            ) from error
         finally:
             if not self._chief or os.path.exists(target):
                 shutil.rmtree(target, ignore_errors=True)

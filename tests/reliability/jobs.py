@@ -1,0 +1,47 @@
+"""Small launched jobs that hang, stall or train, for the liveness tests.
+
+Usage: jobs.py KIND OUT_DIR
+- prejoin: worker 1 is stuck before it creates its strategy, on the first
+  run only (OUT_DIR/ran-once<rank> marks it); later runs train.
+- stall: worker 1 sleeps in a callback after 20 steps (a deadlock in user
+  code after joining); the other waits in its next step.
+- train: trains many short epochs; each worker writes OUT_DIR/pid<rank> once
+  its cluster formed (for a test to stop one).
+"""
+
+import json
+import os
+import sys
+import time
+
+import keras_dist
+
+kind, out_dir = sys.argv[1], sys.argv[2]
+rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+marker = os.path.join(out_dir, f"ran-once{rank}")
+first_run = not os.path.exists(marker)
+open(marker, "w").close()
+if kind == "prejoin" and rank == 1 and first_run:
+    time.sleep(3600)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+strategy = keras_dist.resolve_strategy("auto")
+with open(os.path.join(out_dir, f"pid{rank}"), "w") as f:
+    f.write(str(os.getpid()))
+inputs = keras.Input((8,))
+model = keras_dist.distribute(keras.Model(inputs, keras.layers.Dense(1)(inputs)), strategy)
+model.compile("sgd", "mse")
+x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
+
+
+class Stall(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if kind == "stall" and rank == 1 and batch == 20:
+            time.sleep(3600)
+
+
+epochs = 200 if kind == "train" else 1
+model.fit(x, x[:, :1], batch_size=8, epochs=epochs, verbose=0, callbacks=[Stall()])
+print("trained", flush=True)

@@ -1,0 +1,162 @@
+"""A job never hangs silently: stuck, stalled and stopped workers are named.
+
+The unit tests drive the launcher's `Watch` with heartbeat files written by
+the test and a real stopped process; the job tests launch real 2-worker jobs
+(`keras-dist launch`) and check the launcher's report, its exit status
+(124) and the time it took.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from keras_dist import _liveness
+
+JOBS = os.path.join(os.path.dirname(__file__), "jobs.py")
+
+
+def beat(path, **fields):
+    payload = dict({"joined": False, "joining": False, "active": True, "steps": 0,
+                    "progress": time.time(), "in_step": False, "where": "t.py:1 in f"},
+                   **fields)
+    payload["time"] = fields.get("time", time.time())
+    with open(path, "w") as f:
+        json.dump(payload, f)
+
+
+def test_a_stopped_process_is_reported_after_the_window(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        path = str(tmp_path / "hb")
+        watch = _liveness.Watch(sleeper.pid, path, True, _liveness.Timeouts(start=None))
+        beat(path, joined=True)
+        assert watch.check() is None
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        assert watch.check() is None  # the window starts
+        watch.quiet_since -= _liveness.STOPPED_AFTER
+        rank, problem = watch.check()
+        assert rank == 0 and "stopped (state T" in problem
+        os.kill(sleeper.pid, signal.SIGCONT)
+        time.sleep(0.2)
+        beat(path, joined=True)
+        assert watch.check() is None  # running again: forgiven
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_start_and_hang_limits_and_who_is_blamed(tmp_path):
+    path = str(tmp_path / "hb")
+    pid = os.getpid()  # running, never stopped
+    limits = _liveness.Timeouts(start=10, hang=20)
+    watch = _liveness.Watch(pid, path, True, limits)
+    watch.started -= 11
+    assert "never even imported keras_dist" in watch.check()[1]
+    beat(path)
+    rank, problem = watch.check()
+    assert rank == 1 and "no multi-worker strategy was created" in problem
+    beat(path, joining=True)
+    rank, problem = watch.check()
+    assert rank == 2 and "waited for the other workers" in problem
+    beat(path, joined=True, steps=7, progress=time.time() - 5)
+    assert watch.check() is None
+    beat(path, joined=True, steps=7, progress=time.time() - 25, where="train.py:9 in cb")
+    rank, problem = watch.check()
+    assert rank < 4 and "made no step for 25s" in problem and "train.py:9 in cb" in problem
+    beat(path, joined=True, steps=7, progress=time.time() - 25, in_step=True)
+    rank, problem = watch.check()
+    assert rank > 4 and "inside a step" in problem
+    # Between tuner trials a worker may wait as long as the search needs.
+    beat(path, joined=True, steps=7, progress=time.time() - 25, active=False)
+    assert watch.check() is None
+    # A single process (no cluster) is held to the hang limit once it stepped.
+    single = _liveness.Watch(pid, path, False, limits)
+    single.started -= 100
+    beat(path, steps=0, progress=time.time() - 25)
+    assert single.check() is None
+    beat(path, steps=3, progress=time.time() - 25)
+    assert "made no step" in single.check()[1]
+
+
+def test_bad_timeouts_are_refused_before_anything_starts(tmp_path):
+    import keras_dist
+
+    job = tmp_path / "job.py"
+    job.write_text("raise SystemExit('must not run')\n")
+    for name, value in (("start_timeout", 0), ("hang_timeout", -5), ("hang_timeout", "1")):
+        with pytest.raises(ValueError, match=f"`{name}`.*Received: {name}={value!r}"):
+            keras_dist.launch(str(job), num_workers=2, **{name: value})
+    with pytest.raises(ValueError, match="start_timeout"):
+        keras_dist.launch_search(str(job), num_workers=1, start_timeout=False)
+
+
+def launch(out_dir, kind, *options, timeout=240):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2",
+         *options, JOBS, kind, str(out_dir)],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - started
+
+
+@pytest.mark.multi_worker
+def test_a_worker_stuck_before_joining_is_named_and_the_group_restarts(tmp_path):
+    code, out, _ = launch(tmp_path, "prejoin", "--start-timeout", "20", "--max-restarts", "1")
+    assert code == 0, out
+    assert ("worker 1 never joined the cluster within 20s (keras_dist was imported, "
+            "but no multi-worker strategy was created)") in out
+    assert "worker 0: waiting for the other workers to join" in out
+    assert "restarting the worker group (1/1) because worker 1 never joined" in out
+    assert out.count("trained") == 2
+
+
+@pytest.mark.multi_worker
+def test_a_worker_stalled_after_joining_is_named(tmp_path):
+    code, out, seconds = launch(tmp_path, "stall", "--hang-timeout", "15")
+    assert code == 124, out
+    assert "worker 1 made no step for" in out
+    assert "at jobs.py:" in out and "in on_train_batch_end" in out
+    assert "worker 0: 21 step(s)" in out and "inside a step" in out
+    assert "job failed: worker 1 made no step" in out
+    assert seconds < 150, out
+
+
+@pytest.mark.multi_worker
+def test_a_stopped_worker_is_named_within_seconds(tmp_path):
+    """SIGSTOP (a stuck host, a partition) is named before TensorFlow gives up."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2",
+         JOBS, "train", str(tmp_path)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        pid_file = tmp_path / "pid1"
+        deadline = time.monotonic() + 180
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert pid_file.exists(), "worker 1 never formed its cluster"
+        time.sleep(3)  # training
+        os.kill(int(pid_file.read_text()), signal.SIGSTOP)
+        stopped = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        seconds = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 124, out
+    assert "worker 1 stopped responding: its process" in out
+    assert "job failed: worker 1 stopped responding" in out
+    # Default settings: named within well under a minute (measured: ~6 s).
+    assert seconds < 45, out
