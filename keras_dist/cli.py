@@ -120,6 +120,10 @@ def _common(command, kind: str) -> None:
                          help=f"the {kind} script is a module name (python -m)")
     command.add_argument("-v", "--verbose", action="store_true",
                          help="show TensorFlow's start-up lines and C++ INFO logs")
+    command.add_argument("--private-network", action="store_true",
+                         help="Linux: run the job in its own network namespace "
+                         "(only a private loopback: nothing outside can reach "
+                         "the workers, nor can they reach the network)")
     command.add_argument("--start-timeout", type=float, default=300.0,
                          metavar="SECONDS",
                          help="stop the job when a worker of a multi-worker "
@@ -172,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 verbose=args.verbose,
                 start_timeout=args.start_timeout or None,
                 hang_timeout=args.hang_timeout or None,
+                private_network=args.private_network,
             )
         except (ValueError, TypeError) as e:
             print(f"keras-dist tune: error: {e}", file=sys.stderr)
@@ -199,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             verbose=args.verbose,
             start_timeout=args.start_timeout or None,
             hang_timeout=args.hang_timeout or None,
+            private_network=args.private_network,
         )
     except (ValueError, TypeError) as e:
         print(f"keras-dist launch: error: {e}", file=sys.stderr)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from keras_dist import _cluster_spec
 from keras_dist import _exit_codes
 from keras_dist import _liveness
+from keras_dist import _netns
 from keras_dist._checks import check_log_dir, check_script, check_seconds, check_timeout
 
 _TAIL_LINES = 40
@@ -356,6 +357,7 @@ def launch(
     verbose: bool = False,
     start_timeout: float | None = 300.0,
     hang_timeout: float | None = 900.0,
+    private_network: bool = False,
 ) -> int:
     """Runs `script` as the workers of a multi-worker job and supervises them.
 
@@ -409,6 +411,11 @@ def launch(
             group gets to join its cluster; None: no limit.
         hang_timeout: Seconds (default 900) a worker may go without a step
             once it joined its cluster; None: no limit.
+        private_network: Boolean, default False. Local mode on Linux: run
+            the job in its own network namespace, whose only interface is a
+            private loopback. TensorFlow's servers listen on every interface
+            (it has no setting for that); in the namespace nothing outside
+            can reach them, and the workers cannot reach the network.
 
     Returns:
         0 when every worker succeeded; otherwise the failed worker's exit
@@ -430,6 +437,27 @@ def launch(
     check_timeout("start_timeout", start_timeout)
     check_timeout("hang_timeout", hang_timeout)
     timeouts = _liveness.Timeouts(start=start_timeout, hang=hang_timeout)
+    if private_network and not _netns.inside():
+        if num_workers is None:
+            raise ValueError(
+                "Invalid value for argument `private_network`: it isolates a "
+                "local job (num_workers=N); a multi-host job needs the "
+                "network. Received: private_network=True with hosts="
+                f"{hosts!r}. Keep multi-host jobs on a private network or "
+                "behind a firewall."
+            )
+        _netns.check()
+        args = ["launch", "--num-workers", str(num_workers),
+                "--max-restarts", str(max_restarts)]
+        if port is not None:
+            args += ["--port", str(port)]
+        args += _netns.common_args(
+            log_dir=log_dir, grace_period=grace_period, module=module,
+            verbose=verbose, start_timeout=start_timeout, hang_timeout=hang_timeout,
+        )
+        return _netns.run_inside([*args, script, "--", *script_args])
+    if _netns.inside():
+        _netns.bring_up_loopback()
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
     command = python_command(script, script_args, module)

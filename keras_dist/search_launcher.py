@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from keras_dist import _cluster_spec
 from keras_dist import _liveness
+from keras_dist import _netns
 from keras_dist._checks import check_log_dir, check_script, check_seconds, check_timeout
 from keras_dist.launcher import (
     HANG_EXIT_CODE,
@@ -35,6 +36,7 @@ def launch_search(
     verbose: bool = False,
     start_timeout: float | None = 300.0,
     hang_timeout: float | None = 900.0,
+    private_network: bool = False,
 ) -> int:
     """Runs `script` as the chief and tuner workers of a search; supervises them.
 
@@ -82,6 +84,13 @@ def launch_search(
             (`python -m script`).
         verbose: Boolean, default False: show TensorFlow's start-up lines on
             the console (see `launch`).
+        start_timeout, hang_timeout: Seconds (defaults 300 and 900; None: no
+            limit) a trial group's worker gets to join its cluster, and may go
+            without a step inside a trial (see `launch`). A tuner worker that
+            hangs is stopped like one that died; a hung chief stops the search
+            (exit status 124).
+        private_network: Boolean, default False: run the search in its own
+            network namespace (Linux; see `launch`).
 
     Returns:
         The chief's exit status: 0 when the search finished (even if some
@@ -104,6 +113,20 @@ def launch_search(
     check_timeout("start_timeout", start_timeout)
     check_timeout("hang_timeout", hang_timeout)
     timeouts = _liveness.Timeouts(start=start_timeout, hang=hang_timeout)
+    if private_network and not _netns.inside():
+        _netns.check()
+        args = ["tune", "--num-workers", str(num_workers),
+                "--workers-per-trial", str(workers_per_trial),
+                "--finish-timeout", repr(float(finish_timeout))]
+        if port is not None:
+            args += ["--port", str(port)]
+        args += _netns.common_args(
+            log_dir=log_dir, grace_period=grace_period, module=module,
+            verbose=verbose, start_timeout=start_timeout, hang_timeout=hang_timeout,
+        )
+        return _netns.run_inside([*args, script, "--", *script_args])
+    if _netns.inside():
+        _netns.bring_up_loopback()
     if port is None:
         port = _cluster_spec.loopback_ports(1)[0]
     oracle = {

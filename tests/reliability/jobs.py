@@ -5,6 +5,8 @@ Usage: jobs.py KIND OUT_DIR
   run only (OUT_DIR/ran-once<rank> marks it); later runs train.
 - stall: worker 1 sleeps in a callback after 20 steps (a deadlock in user
   code after joining); the other waits in its next step.
+- listen: once its cluster formed, each worker writes OUT_DIR/listen<rank>.json
+  (its port, the network interfaces it sees) and waits for OUT_DIR/go.
 - train: trains many short epochs; each worker writes OUT_DIR/pid<rank> once
   its cluster formed (for a test to stop one).
 """
@@ -30,6 +32,17 @@ import numpy as np  # noqa: E402
 strategy = keras_dist.resolve_strategy("auto")
 with open(os.path.join(out_dir, f"pid{rank}"), "w") as f:
     f.write(str(os.getpid()))
+if kind == "listen":
+    import socket
+
+    port = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][rank].split(":")[1]
+    with open(os.path.join(out_dir, f"listen{rank}.json"), "w") as f:
+        json.dump({"port": int(port),
+                   "interfaces": [name for _, name in socket.if_nameindex()]}, f)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(out_dir, "go")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    sys.exit(0)
 inputs = keras.Input((8,))
 model = keras_dist.distribute(keras.Model(inputs, keras.layers.Dense(1)(inputs)), strategy)
 model.compile("sgd", "mse")

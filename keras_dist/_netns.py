@@ -1,0 +1,116 @@
+"""`private_network=True`: a local job in its own network namespace.
+
+TensorFlow's gRPC server listens on every interface (`[::]:PORT`) whatever
+host `TF_CONFIG` names (`GrpcServer::Init` in
+tensorflow/core/distributed_runtime/rpc/grpc_server_lib.cc passes a
+wildcard address to `AddListeningPort`; TensorFlow 2.21 has no setting for
+it). A local job can still be kept off the network: the launcher re-runs
+itself under `unshare --net` (with `--map-root-user` when not root), where
+the only interface is a private loopback, so the workers' servers and the
+tuner's oracle cannot be reached from outside, and the workers cannot reach
+the network either.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+
+ENV = "KERAS_DIST_PRIVATE_NETWORK"
+
+_SIOCGIFFLAGS = 0x8913
+_SIOCSIFFLAGS = 0x8914
+_IFF_UP = 0x1
+
+
+def _unshare() -> list[str]:
+    flags = ["--net"] if os.geteuid() == 0 else ["--net", "--map-root-user"]
+    return ["unshare", *flags]
+
+
+def check() -> None:
+    """Raises ValueError, naming why, where a private network cannot be made."""
+    reason = None
+    if not sys.platform.startswith("linux"):
+        reason = f"network namespaces are a Linux feature (this is {sys.platform})"
+    elif shutil.which("unshare") is None:
+        reason = "the `unshare` command (util-linux) is not installed"
+    else:
+        probe = subprocess.run(
+            [*_unshare(), "--", "true"], capture_output=True, text=True
+        )
+        if probe.returncode != 0:
+            reason = f"`unshare --net` failed here: {probe.stderr.strip()}"
+    if reason:
+        raise ValueError(
+            "Invalid value for argument `private_network`: True needs a "
+            f"private network namespace, and {reason}. Received: "
+            "private_network=True. Run without it and keep the workers' ports "
+            "behind a firewall (see the launch guide, 'Network exposure')."
+        )
+
+
+def run_inside(cli_args: list[str]) -> int:
+    """Runs `keras-dist CLI_ARGS` in a new network namespace; its exit status.
+
+    Output goes straight through; SIGINT/SIGTERM are passed on.
+    """
+    env = dict(os.environ, **{ENV: "1"})
+    proc = subprocess.Popen(
+        [*_unshare(), "--", sys.executable, "-m", "keras_dist.cli", *cli_args],
+        env=env,
+    )
+    previous = {}
+
+    def forward(signum, frame):
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[signum] = signal.signal(signum, forward)
+        except ValueError:  # not the main thread
+            pass
+    try:
+        return proc.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def inside() -> bool:
+    return bool(os.environ.get(ENV))
+
+
+def common_args(*, log_dir, grace_period, module, verbose, start_timeout,
+                hang_timeout) -> list[str]:
+    """The command-line options both launchers share, for `run_inside`."""
+    args = [
+        "--grace-period", repr(float(grace_period)),
+        "--start-timeout", repr(float(start_timeout or 0)),
+        "--hang-timeout", repr(float(hang_timeout or 0)),
+    ]
+    if log_dir:
+        args += ["--log-dir", os.fspath(log_dir)]
+    if module:
+        args.append("--module")
+    if verbose:
+        args.append("--verbose")
+    return args
+
+
+def bring_up_loopback() -> None:
+    """A new network namespace starts with its loopback interface down."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH22x", b"lo", 0)  # struct ifreq: 40 bytes
+        flags = struct.unpack("16sH", fcntl.ioctl(sock, _SIOCGIFFLAGS, request)[:18])[1]
+        if not flags & _IFF_UP:
+            fcntl.ioctl(
+                sock, _SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | _IFF_UP)
+            )

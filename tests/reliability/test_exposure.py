@@ -1,0 +1,90 @@
+"""Who can reach a local job's workers.
+
+TensorFlow 2.21's gRPC server listens on every interface whatever TF_CONFIG
+says (checked here, so the launch guide's statement fails loudly the day
+TensorFlow changes); `--private-network` runs the job in its own network
+namespace, where nothing outside can reach the workers.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+JOBS = os.path.join(os.path.dirname(__file__), "jobs.py")
+pytestmark = pytest.mark.multi_worker
+
+
+def listeners(port: int) -> list[str]:
+    """Local addresses listening on `port` in this process's network namespace."""
+    found = []
+    for name, width in (("tcp", 8), ("tcp6", 32)):
+        with open(f"/proc/net/{name}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                address, hex_port = fields[1].split(":")
+                if fields[3] == "0A" and int(hex_port, 16) == port:
+                    found.append(f"{name} {address}")
+    return found
+
+
+def run_listen_job(tmp_path, *options):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2",
+         *options, JOBS, "listen", str(tmp_path)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        files = [tmp_path / f"listen{r}.json" for r in (0, 1)]
+        while not all(f.exists() for f in files) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.5)
+        seen = [json.loads(f.read_text()) for f in files]
+        found = {s["port"]: listeners(s["port"]) for s in seen}
+        (tmp_path / "go").touch()
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out
+    return seen, found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp6"), reason="needs Linux /proc")
+def test_tensorflow_servers_listen_on_every_interface_by_default(tmp_path):
+    seen, found = run_listen_job(tmp_path)
+    for port, addresses in found.items():
+        # tcp6 :: (all zeros) accepts IPv4 and IPv6 connections on any interface.
+        assert addresses == ["tcp6 " + "0" * 32], (port, addresses)
+
+
+def test_private_network_keeps_the_workers_unreachable(tmp_path):
+    probe = subprocess.run(["unshare", "--net", "--map-root-user", "true"],
+                           capture_output=True, text=True) if sys.platform == "linux" else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("no network namespaces here")
+    seen, found = run_listen_job(tmp_path, "--private-network")
+    assert [s["interfaces"] for s in seen] == [["lo"], ["lo"]]
+    assert found == {s["port"]: [] for s in seen}  # nothing listens out here
+
+
+def test_private_network_is_refused_where_it_cannot_work(tmp_path, monkeypatch):
+    import keras_dist
+    from keras_dist import _netns
+
+    job = tmp_path / "job.py"
+    job.write_text("raise SystemExit('must not run')\n")
+    with pytest.raises(ValueError, match="`private_network`.*local job"):
+        keras_dist.launch(str(job), hosts="127.0.0.1:1234,127.0.0.1:1235", rank=0,
+                          private_network=True)
+    monkeypatch.setattr(_netns.shutil, "which", lambda name: None)
+    monkeypatch.setattr(_netns.sys, "platform", "linux")
+    with pytest.raises(ValueError, match="`unshare` command .* not installed.*firewall"):
+        keras_dist.launch(str(job), num_workers=2, private_network=True)
