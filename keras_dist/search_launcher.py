@@ -84,10 +84,11 @@ def launch_search(
             (`python -m script`).
         verbose: Boolean, default False: show TensorFlow's start-up lines on
             the console (see `launch`).
-        start_timeout, hang_timeout: Seconds (defaults 300 and 900; None: no
-            limit) a trial group's worker gets to join its cluster, and may go
-            without a step inside a trial (see `launch`). A tuner worker that
-            hangs is stopped like one that died; a hung chief stops the search
+        start_timeout: Seconds (default 300; None: no limit) a trial
+            group's worker gets to join its cluster (see `launch`).
+        hang_timeout: Seconds (default 900; None: no limit) a tuner worker
+            may go without a step inside a trial. A tuner worker that hangs
+            is stopped like one that died; a hung chief stops the search
             (exit status 124).
         private_network: Boolean, default False: run the search in its own
             network namespace (Linux; see `launch`).

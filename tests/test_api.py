@@ -45,14 +45,17 @@ def test_signatures():
         "rank: 'int | None' = None, max_restarts: 'int' = 0, "
         "log_dir: 'str | None' = None, grace_period: 'float' = 5.0, "
         "module: 'bool' = False, port: 'int | None' = None, "
-        "verbose: 'bool' = False) -> 'int'"
+        "verbose: 'bool' = False, start_timeout: 'float | None' = 300.0, "
+        "hang_timeout: 'float | None' = 900.0, private_network: 'bool' = False) -> 'int'"
     )
     assert signature(keras_dist.launch_search) == (
         "(script: 'str', script_args: 'Sequence[str]' = (), *, "
         "num_workers: 'int', workers_per_trial: 'int' = 1, "
         "port: 'int | None' = None, log_dir: 'str | None' = None, "
         "grace_period: 'float' = 5.0, finish_timeout: 'float' = 300.0, "
-        "module: 'bool' = False, verbose: 'bool' = False) -> 'int'"
+        "module: 'bool' = False, verbose: 'bool' = False, "
+        "start_timeout: 'float | None' = 300.0, "
+        "hang_timeout: 'float | None' = 900.0, private_network: 'bool' = False) -> 'int'"
     )
     assert signature(keras_dist.DistributedModel.__init__) == (
         "(self, *args, strategy: 'StrategySpec' = 'auto', "
