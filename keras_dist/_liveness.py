@@ -134,6 +134,7 @@ def set_active(active: bool) -> None:
     worker waiting for its next trial)."""
     if _path:
         _state["active"] = active
+        _state["trial"] = active
         _state["progress"] = time.time()
 
 
@@ -237,7 +238,8 @@ class Watch:
             return 1, f"never joined the cluster within {limit:g}s ({doing})"
         limit = self.timeouts.hang
         if limit and self.last is not None and last.get("active", True) and (
-            joined or (not self.multi_worker and last.get("steps", 0) > 0)
+            joined or last.get("trial")
+            or (not self.multi_worker and last.get("steps", 0) > 0)
         ):
             idle = now - float(last.get("progress", now))
             if idle > limit:

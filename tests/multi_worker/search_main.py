@@ -2,7 +2,8 @@
 
 Usage: search_main.py OUT_DIR [key=value ...]
 Keys: trials, retries, overwrite (1/0), die (a tuner id), die_at (its Nth
-trial), sleep (seconds per trial), worker_timeout.
+trial), stall (a tuner id that hangs at its die_at-th trial), sleep
+(seconds per trial), worker_timeout.
 Every process appends the trial ids it starts to OUT_DIR/runs-<label>.txt;
 the chief writes OUT_DIR/summary-<n>.json when the search is over.
 """
@@ -57,6 +58,8 @@ class Search(RandomSearch):
             f.write(trial.trial_id + "\n")
         if tuner_id == opts.get("die") and Search.runs == int(opts.get("die_at", 2)):
             os.kill(os.getpid(), signal.SIGKILL)
+        if tuner_id == opts.get("stall") and Search.runs == int(opts.get("die_at", 2)):
+            time.sleep(3600)  # a trial that hangs
         time.sleep(float(opts.get("sleep", 0)))
         result = super().run_trial(trial, *args, **kwargs)
         weights = sum(float(np.sum(w)) for w in self._last_model.get_weights())

@@ -160,3 +160,19 @@ def test_a_stopped_worker_is_named_within_seconds(tmp_path):
     assert "job failed: worker 1 stopped responding" in out
     # Default settings: named within well under a minute (measured: ~6 s).
     assert seconds < 45, out
+
+
+@pytest.mark.multi_worker
+def test_a_hung_tuner_worker_is_stopped_and_the_search_completes(tmp_path):
+    from multi_worker.test_search_jobs import explain, runs, summary, tune
+
+    job = tune(tmp_path, "--num-workers", "2", "--hang-timeout", "10",
+               args=["trials=4", "stall=tuner1", "die_at=2", "retries=1", "sleep=0.5"])
+    assert job.returncode == 0, explain(job)
+    assert "tuner1 made no step for" in job.stderr, explain(job)
+    assert "in run_trial" in job.stderr
+    assert "tuner worker tuner1 hung (" in job.stderr
+    assert summary(tmp_path)["trials"] == {str(i): "COMPLETED" for i in range(4)}
+    started = runs(tmp_path)
+    lost = started["tuner1-0"][-1]
+    assert started["tuner0-0"].count(lost) == 1  # retried by the other worker
