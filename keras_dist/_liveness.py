@@ -218,8 +218,9 @@ class Watch:
                     f"{now - self.quiet_since:.0f}s"
                 )
             return 0, (
-                "stopped responding: no heartbeat and no CPU use for "
-                f"{now - self.quiet_since:.0f}s (process state {state or 'unknown'})"
+                "stopped responding: no heartbeat"
+                + (" and no CPU use" if cpu is not None else "")
+                + f" for {now - self.quiet_since:.0f}s (process state {state or 'unknown'})"
             )
         last = self.last or {}
         joined = bool(last.get("joined")) or last.get("steps", 0) > 0

@@ -88,29 +88,22 @@ def inside() -> bool:
     return bool(os.environ.get(ENV))
 
 
-def common_args(*, log_dir, grace_period, module, verbose, start_timeout,
-                hang_timeout) -> list[str]:
-    """The command-line options both launchers share, for `run_inside`."""
-    args = [
+def relaunch(command: list[str], script: str, script_args, *, port, log_dir,
+             grace_period, module, verbose, start_timeout, hang_timeout) -> int:
+    """Checks that a namespace can be made, then runs `keras-dist COMMAND
+    [shared options] SCRIPT -- SCRIPT_ARGS` inside one; its exit status."""
+    check()
+    args = list(command) + [
         "--grace-period", repr(float(grace_period)),
         "--start-timeout", repr(float(start_timeout or 0)),
         "--hang-timeout", repr(float(hang_timeout or 0)),
     ]
+    if port is not None:
+        args += ["--port", str(port)]
     if log_dir:
         args += ["--log-dir", os.fspath(log_dir)]
     if module:
         args.append("--module")
     if verbose:
         args.append("--verbose")
-    return args
-
-
-def bring_up_loopback() -> None:
-    """A new network namespace starts with its loopback interface down."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        request = struct.pack("16sH22x", b"lo", 0)  # struct ifreq: 40 bytes
-        flags = struct.unpack("16sH", fcntl.ioctl(sock, _SIOCGIFFLAGS, request)[:18])[1]
-        if not flags & _IFF_UP:
-            fcntl.ioctl(
-                sock, _SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | _IFF_UP)
-            )
+    return run_inside([*args, script, "--", *script_args])

@@ -446,16 +446,13 @@ def launch(
                 f"{hosts!r}. Keep multi-host jobs on a private network or "
                 "behind a firewall."
             )
-        _netns.check()
-        args = ["launch", "--num-workers", str(num_workers),
-                "--max-restarts", str(max_restarts)]
-        if port is not None:
-            args += ["--port", str(port)]
-        args += _netns.common_args(
-            log_dir=log_dir, grace_period=grace_period, module=module,
-            verbose=verbose, start_timeout=start_timeout, hang_timeout=hang_timeout,
+        return _netns.relaunch(
+            ["launch", "--num-workers", str(num_workers),
+             "--max-restarts", str(max_restarts)],
+            script, script_args, port=port, log_dir=log_dir,
+            grace_period=grace_period, module=module, verbose=verbose,
+            start_timeout=start_timeout, hang_timeout=hang_timeout,
         )
-        return _netns.run_inside([*args, script, "--", *script_args])
     if _netns.inside():
         _netns.bring_up_loopback()
     if log_dir:

@@ -115,17 +115,14 @@ def launch_search(
     check_timeout("hang_timeout", hang_timeout)
     timeouts = _liveness.Timeouts(start=start_timeout, hang=hang_timeout)
     if private_network and not _netns.inside():
-        _netns.check()
-        args = ["tune", "--num-workers", str(num_workers),
-                "--workers-per-trial", str(workers_per_trial),
-                "--finish-timeout", repr(float(finish_timeout))]
-        if port is not None:
-            args += ["--port", str(port)]
-        args += _netns.common_args(
-            log_dir=log_dir, grace_period=grace_period, module=module,
-            verbose=verbose, start_timeout=start_timeout, hang_timeout=hang_timeout,
+        return _netns.relaunch(
+            ["tune", "--num-workers", str(num_workers),
+             "--workers-per-trial", str(workers_per_trial),
+             "--finish-timeout", repr(float(finish_timeout))],
+            script, script_args, port=port, log_dir=log_dir,
+            grace_period=grace_period, module=module, verbose=verbose,
+            start_timeout=start_timeout, hang_timeout=hang_timeout,
         )
-        return _netns.run_inside([*args, script, "--", *script_args])
     if _netns.inside():
         _netns.bring_up_loopback()
     if port is None:

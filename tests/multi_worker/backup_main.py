@@ -3,7 +3,10 @@
 Usage: backup_main.py OUT_DIR BACKUP_DIR [key=value ...]
 Options: input=numpy|dataset, spe=N, freq=epoch|N, epochs=N,
 kill=K / term=K (SIGKILL / SIGTERM this process after its K-th trained call,
-on rank `victim`, default 0), seconds=S (save_every_seconds).
+on rank `victim`, default 0), seconds=S (save_every_seconds),
+killsave=K:STAGE (SIGKILL this process inside its K-th backup save: STAGE
+`files` = every file written, no manifest; `rename` = sealed, not renamed
+into place; `pointer` = renamed, `latest` not yet updated).
 Writes OUT_DIR/rank{R}.npz (final weights) when training ends, and appends
 one line per trained step to OUT_DIR/ids-rank{R}.txt:
 `epoch step id id ...` (the sample ids the step trained on, all replicas),
@@ -31,6 +34,34 @@ from keras_dist.strategy import worker_info  # noqa: E402
 
 out_dir, backup_dir = sys.argv[1], sys.argv[2]
 opts = dict(a.split("=", 1) for a in sys.argv[3:])
+if "killsave" in opts:
+    from keras_dist import _backup_store
+
+    _kill_at, _stage = opts["killsave"].split(":")
+    _saves = {"n": 0}
+
+    def _die_at(stage):
+        if stage == _stage and _saves["n"] == int(_kill_at):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    _seal, _commit, _replace = _backup_store.seal, _backup_store.commit, os.replace
+
+    def _sealing(directory):
+        _saves["n"] += 1
+        _die_at("files")
+        return _seal(directory)
+
+    def _committing(tmp_dir, backup_dir, sequence):
+        _die_at("rename")
+        return _commit(tmp_dir, backup_dir, sequence)
+
+    def _replacing(src, dst, *args, **kwargs):
+        if os.path.basename(str(dst)) == _backup_store.POINTER:
+            _die_at("pointer")
+        return _replace(src, dst, *args, **kwargs)
+
+    _backup_store.seal, _backup_store.commit = _sealing, _committing
+    _backup_store.os.replace = _replacing
 rank = worker_info(strategy).rank
 os.makedirs(out_dir, exist_ok=True)
 N = 48

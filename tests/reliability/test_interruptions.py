@@ -1,6 +1,10 @@
-"""Preemption of any rank: the job saves once, every rank exits 42, and the
-resumed job ends at the uninterrupted run's weights with every sample
-trained exactly once per epoch."""
+"""Interrupted jobs lose nothing.
+
+- Preemption of any rank: the job saves once, every rank exits 42, and the
+  resumed job ends at the uninterrupted run's weights with every sample
+  trained exactly once per epoch.
+- SIGKILL inside a backup save, at each stage of writing it: the same.
+"""
 
 import os
 import subprocess
@@ -67,5 +71,33 @@ def test_preempting_either_rank_saves_once_and_resumes_exactly(tmp_path):
         job / "ids-rank0.txt", [out1[0], rank0(out2), rank0(out3)]
     )
     assert len(runs) == 3
+    check_each_sample_once(kept, EPOCHS)
+    assert not os.path.exists(backup)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref")
+    code, text = run_single(out / "job", out / "backup", "freq=2")
+    assert code == 0, text
+    return weights(out / "job" / "rank0.npz")
+
+
+@pytest.mark.parametrize("stage", ["files", "rename", "pointer"])
+def test_a_kill_inside_a_save_loses_nothing(tmp_path, reference, stage):
+    job, backup = tmp_path / "job", tmp_path / "backup"
+    # The 4th save (after step 8, in epoch 2) is cut short.
+    code, killed = run_single(job, backup, "freq=2", f"killsave=4:{stage}")
+    assert code == -9, killed
+    code, resumed = run_single(job, backup, "freq=2")
+    assert code == 0, resumed
+    # Cut before its rename, the 4th backup never existed: the 3rd (after
+    # global step 6, the end of epoch 1) is used. Renamed, the 4th is
+    # complete (`latest` is not what chooses): epoch 2, step 2.
+    at = "(epoch 1, step 6)" if stage != "pointer" else "(epoch 2, step 2)"
+    assert "BackupAndRestore: restored" in resumed and at in resumed, resumed
+    assert max_diff(reference, weights(job / "rank0.npz")) < 1e-6
+    kept, runs = surviving_steps(job / "ids-rank0.txt", [killed, resumed])
+    assert len(runs) == 2
     check_each_sample_once(kept, EPOCHS)
     assert not os.path.exists(backup)
