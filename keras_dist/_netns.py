@@ -107,3 +107,14 @@ def relaunch(command: list[str], script: str, script_args, *, port, log_dir,
     if verbose:
         args.append("--verbose")
     return run_inside([*args, script, "--", *script_args])
+
+
+def bring_up_loopback() -> None:
+    """A new network namespace starts with its loopback interface down."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH22x", b"lo", 0)  # struct ifreq: 40 bytes
+        flags = struct.unpack("16sH", fcntl.ioctl(sock, _SIOCGIFFLAGS, request)[:18])[1]
+        if not flags & _IFF_UP:
+            fcntl.ioctl(
+                sock, _SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | _IFF_UP)
+            )

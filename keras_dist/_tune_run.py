@@ -44,10 +44,11 @@ def _format_trial(trial, oracle) -> str:
 
 
 def _report_trials(start_server):
-    """Wraps keras-tuner's `oracle_chief.start_server(oracle)` (chief only)."""
+    """Wraps keras-tuner's `oracle_chief.start_server(oracle)` or keras_dist's
+    `_oracle.serve(oracle, ...)` (chief only)."""
 
     @functools.wraps(start_server)
-    def serve(oracle):
+    def serve(oracle, *args, **kwargs):
         end_trial = oracle.end_trial
 
         def reporting_end_trial(trial, *args, **kwargs):
@@ -61,7 +62,7 @@ def _report_trials(start_server):
             f"{getattr(oracle.objective, 'name', oracle.objective)}, "
             f"max_trials {oracle.max_trials}"
         )
-        return start_server(oracle)
+        return start_server(oracle, *args, **kwargs)
 
     return serve
 
@@ -104,7 +105,10 @@ def _prepare(role: str, in_group: bool) -> None:
     except ImportError:
         return  # the script fails on its own import of keras_tuner
     if role == "chief":
+        from keras_dist.tuner import _oracle
+
         oracle_chief.start_server = _report_trials(oracle_chief.start_server)
+        _oracle.serve = _report_trials(_oracle.serve)
     else:
         base_tuner.BaseTuner.__init__ = _prepare_worker(
             base_tuner.BaseTuner.__init__, in_group

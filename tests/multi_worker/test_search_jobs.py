@@ -60,6 +60,10 @@ def test_two_tuner_workers_run_every_trial_once(tmp_path):
     # The best model was reloaded from the chief's directory and trained.
     assert done["best_loss"] < 5.0
     assert "search finished; oracle stopped" in job.stdout
+    # keras_dist's tuners get the chief's per-trial progress lines too.
+    trial_lines = sorted(line.split(":")[0] for line in job.stdout.splitlines()
+                         if line.startswith("[chief] [keras-dist] trial "))
+    assert trial_lines == [f"[chief] [keras-dist] trial {i} completed" for i in range(6)]
 
 
 KERAS_TUNER_SCRIPT = os.path.join(os.path.dirname(__file__), "keras_tuner_main.py")

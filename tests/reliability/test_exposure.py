@@ -43,6 +43,8 @@ def run_listen_job(tmp_path, *options):
         deadline = time.monotonic() + 180
         files = [tmp_path / f"listen{r}.json" for r in (0, 1)]
         while not all(f.exists() for f in files) and time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"the job ended early:\n{proc.communicate()[0]}")
             time.sleep(0.2)
         time.sleep(0.5)
         seen = [json.loads(f.read_text()) for f in files]
