@@ -25,6 +25,10 @@ import time
 from dataclasses import dataclass
 
 ENV = "KERAS_DIST_HEARTBEAT"
+# The launcher's pid: only its own children beat (a process the worker
+# spawns, e.g. a multiprocessing data worker that imports keras_dist again,
+# inherits the environment but must not overwrite the worker's file).
+PARENT_ENV = "KERAS_DIST_LAUNCHER_PID"
 INTERVAL = 1.0
 # How long a silent process (no heartbeat, no CPU use) and a stopped one
 # (state T in /proc: it cannot be busy) are given before they are reported.
@@ -47,8 +51,12 @@ _thread: threading.Thread | None = None
 
 def start() -> None:
     """Starts the heartbeat thread once, in a launched process."""
-    global _thread
+    global _path, _thread
     if not _path or _thread is not None:
+        return
+    parent = os.environ.get(PARENT_ENV)
+    if parent and parent != str(os.getppid()):
+        _path = None  # a grandchild: no heartbeat, no step counting
         return
     _thread = threading.Thread(target=_beat, name="keras-dist-heartbeat", daemon=True)
     _thread.start()

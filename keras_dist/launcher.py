@@ -171,6 +171,7 @@ class _Group:
             env[_cluster_spec.LAUNCHED_ENV] = "1"
             heartbeat = os.path.join(self.heartbeats, label.replace(" ", "-"))
             env[_liveness.ENV] = heartbeat
+            env[_liveness.PARENT_ENV] = str(os.getpid())
             if not verbose:
                 env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
             for key, value in variables.items():

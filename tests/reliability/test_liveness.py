@@ -176,3 +176,22 @@ def test_a_hung_tuner_worker_is_stopped_and_the_search_completes(tmp_path):
     started = runs(tmp_path)
     lost = started["tuner1-0"][-1]
     assert started["tuner0-0"].count(lost) == 1  # retried by the other worker
+
+
+def test_only_the_launchers_own_children_beat(tmp_path):
+    """A process a worker spawns (a data-loading worker re-importing
+    keras_dist) inherits the environment but must not overwrite the
+    worker's heartbeat."""
+    code = ("import time, keras_dist; from keras_dist import _liveness; "
+            "time.sleep(1.5); print(_liveness._path is not None)")
+    results = {}
+    for who, parent in (("child", str(os.getpid())), ("grandchild", "1")):
+        path = tmp_path / who
+        env = dict(os.environ, **{_liveness.ENV: str(path), _liveness.PARENT_ENV: parent})
+        done = subprocess.run([sys.executable, "-c", code], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        results[who] = (done.stdout.strip(), path.exists())
+    assert results == {"child": ("True", True), "grandchild": ("False", False)}
+    payload = json.loads((tmp_path / "child").read_text())
+    assert payload["joined"] is False and payload["steps"] == 0 and "where" in payload
