@@ -512,12 +512,29 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # -- saving ----------------------------------------------------------------
 
-    def _callback_states(self) -> tuple[dict, dict]:
-        states, arrays = {}, {}
+    def _keyed_callbacks(self, legacy: bool = False) -> list:
+        """(key, callback) for every other callback of the fit.
+
+        A key is the callback's identity: its class and configuration
+        (`monitor`, `mode`, `filepath`), numbered only among identical ones,
+        so reordering the callback list does not mix their states up.
+        `legacy`: the keys of backups written before (list positions).
+        """
+        keyed, seen = [], {}
         for index, callback in enumerate(getattr(self._context, "callbacks", [])):
             if callback is self:
                 continue
-            key = f"{index}:{type(callback).__name__}"
+            if legacy:
+                keyed.append((f"{index}:{type(callback).__name__}", callback))
+                continue
+            key = _identity(callback)
+            seen[key] = seen.get(key, 0) + 1
+            keyed.append((key if seen[key] == 1 else f"{key} #{seen[key]}", callback))
+        return keyed
+
+    def _callback_states(self) -> tuple[dict, dict]:
+        states, arrays = {}, {}
+        for key, callback in self._keyed_callbacks():
             if callable(getattr(callback, "get_state", None)):
                 states[key] = callback.get_state()
                 continue
@@ -534,9 +551,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _apply_callback_states(self, state: dict, directory: str) -> None:
         saved = state.get("callbacks", {})
         arrays = None
-        for index, callback in enumerate(getattr(self._context, "callbacks", [])):
-            key = f"{index}:{type(callback).__name__}"
-            if callback is self or key not in saved:
+        legacy = bool(saved) and all(_LEGACY_KEY.match(key) for key in saved)
+        for key, callback in self._keyed_callbacks(legacy):
+            if key not in saved:
                 continue
             values = dict(saved[key])
             if callable(getattr(callback, "set_state", None)):
@@ -785,6 +802,19 @@ class BackupAndRestore(keras.callbacks.Callback):
         _keras_compat.set_initial_epoch(self.model, None)
         self._selected = None
         self._reset_run()
+
+
+_LEGACY_KEY = re.compile(r"^\d+:\w+$")
+
+
+def _identity(callback) -> str:
+    cls = type(callback)
+    parts = [f"{cls.__module__}.{cls.__qualname__}"]
+    for name in ("monitor", "mode", "filepath"):
+        value = getattr(callback, name, None)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            parts.append(f"{name}={value}")
+    return " ".join(parts)
 
 
 def _same_states(a: tuple[dict, dict], b: tuple[dict, dict]) -> bool:

@@ -345,6 +345,40 @@ def test_callback_states_survive_a_crash(tmp_path):
     assert resumed.batches == 24  # 8 restored + 16 trained
 
 
+class Tally(keras.callbacks.Callback):
+    """A user callback with state, told apart from its twin by `monitor`."""
+
+    def __init__(self, monitor, weight):
+        super().__init__()
+        self.monitor, self.weight, self.total = monitor, weight, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if logs is not None and "loss" in logs:
+            self.total += self.weight
+
+    def get_state(self):
+        return {"total": self.total}
+
+    def set_state(self, state):
+        self.total = state["total"]
+
+
+def test_reordered_callbacks_get_their_own_states_back(tmp_path):
+    """Saved callback states are keyed by class and configuration, not by
+    list position: a resumed fit may list its callbacks in another order."""
+    backup_dir = str(tmp_path / "b")
+    first = [Tally("loss", 1), Tally("mae", 100)]
+    model = make()
+    with pytest.raises(RuntimeError):
+        model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0, callbacks=[
+            *first, BackupAndRestore(backup_dir, save_freq=4), Crash(10)])
+    assert [t.total for t in first] == [10, 1000]
+    loss, mae = Tally("loss", 1), Tally("mae", 100)
+    make().fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+               callbacks=[BackupAndRestore(backup_dir, save_freq=4), mae, loss])
+    assert (loss.total, mae.total) == (24, 2400)  # 8 restored + 16 trained
+
+
 def test_sigterm_saves_and_exits_then_resumes(tmp_path):
     backup_dir = str(tmp_path / "b")
     before = signal.getsignal(signal.SIGTERM)
