@@ -42,6 +42,8 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.losses import loss as keras_loss
+from keras.src.models.functional import Functional  # noqa: F401 (re-exported)
+from keras.src.models.model import functional_init_arguments  # noqa: F401 (re-exported)
 
 from keras_dist import _liveness
 

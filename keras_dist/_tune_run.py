@@ -100,21 +100,18 @@ def _prepare_worker(init, in_group: bool):
 
 def _prepare(role: str, in_group: bool) -> None:
     try:
-        from keras_tuner.src.distribute import oracle_chief  # noqa: F401
-        from keras_tuner.src.engine import base_tuner
+        from keras_dist.tuner import _kt_compat as kt
     except ImportError:
         return  # the script fails on its own import of keras_tuner
     if role == "chief":
         from keras_dist.tuner import _oracle
 
-        oracle_chief.start_server = _report_trials(oracle_chief.start_server)
+        kt.oracle_chief.start_server = _report_trials(kt.oracle_chief.start_server)
         _oracle.serve = _report_trials(_oracle.serve)
     else:
-        base_tuner.BaseTuner.__init__ = _prepare_worker(
-            base_tuner.BaseTuner.__init__, in_group
-        )
-        base_tuner.BaseTuner._try_run_and_update_trial = _active_in_trials(
-            base_tuner.BaseTuner._try_run_and_update_trial
+        kt.BaseTuner.__init__ = _prepare_worker(kt.BaseTuner.__init__, in_group)
+        kt.BaseTuner._try_run_and_update_trial = _active_in_trials(
+            kt.BaseTuner._try_run_and_update_trial
         )
 
 

@@ -14,12 +14,11 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from keras.src.models.functional import Functional
-from keras.src.models.model import functional_init_arguments
 
 from keras_dist import _data
 from keras_dist import _input_checks
 from keras_dist import _keras_compat
+from keras_dist._keras_compat import Functional, functional_init_arguments
 from keras_dist.strategy import StrategySpec
 from keras_dist.strategy import is_default
 from keras_dist.strategy import resolve_strategy

@@ -23,11 +23,9 @@ import time
 from concurrent import futures
 
 import grpc
-from keras_tuner.src import protos
-from keras_tuner.src.distribute import oracle_client
-from keras_tuner.src.distribute.oracle_chief import OracleServicer
-from keras_tuner.src.engine import trial as trial_module
-from keras_tuner.src.engine.oracle import synchronized
+
+from keras_dist.tuner import _kt_compat as kt
+from keras_dist.tuner._kt_compat import OracleServicer, synchronized
 
 
 def oracle_address() -> str:
@@ -71,11 +69,11 @@ class _Servicer(OracleServicer):
     def CreateTrial(self, request, context):
         self._seen(tuner_id=request.tuner_id)
         if _should_wait(self.oracle, request.tuner_id):
-            trial = trial_module.Trial(
+            trial = kt.Trial(
                 self.oracle.hyperparameters.copy(),
-                status=trial_module.TrialStatus.IDLE,
+                status=kt.TrialStatus.IDLE,
             )
-            return protos.get_service().CreateTrialResponse(trial=trial.to_proto())
+            return kt.protos.get_service().CreateTrialResponse(trial=trial.to_proto())
         return super().CreateTrial(request, context)
 
     def UpdateTrial(self, request, context):
@@ -129,8 +127,8 @@ def _reap(oracle, tuner_id: str, message: str) -> str | None:
     trial = oracle.ongoing_trials.get(tuner_id)
     ended = None
     if trial is not None:
-        ended = trial_module.Trial.from_proto(trial.to_proto())
-        ended.status = trial_module.TrialStatus.INVALID
+        ended = kt.Trial.from_proto(trial.to_proto())
+        ended.status = kt.TrialStatus.INVALID
         ended.message = message
         oracle.end_trial(ended)
     oracle.tuner_ids.discard(tuner_id)
@@ -147,7 +145,7 @@ def serve(oracle, *, worker_timeout: float, poll: float = 0.2) -> None:
     address = oracle_address()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     servicer = _Servicer(oracle)
-    protos.get_service_grpc().add_OracleServicer_to_server(servicer, server)
+    kt.protos.get_service_grpc().add_OracleServicer_to_server(servicer, server)
     try:
         port = server.add_insecure_port(address)
     except RuntimeError:
@@ -225,7 +223,7 @@ class _DeadlineStub:
         return call
 
 
-class Client(oracle_client.OracleClient):
+class Client(kt.oracle_client.OracleClient):
     """keras-tuner's `OracleClient` with bounded waits and a heartbeat."""
 
     def __init__(
@@ -256,21 +254,21 @@ class Client(oracle_client.OracleClient):
                 "you), check the address, or raise connect_timeout."
             ) from None
         self.stub = _DeadlineStub(
-            protos.get_service_grpc().OracleStub(self._channel), call_timeout, address
+            kt.protos.get_service_grpc().OracleStub(self._channel), call_timeout, address
         )
         self._heartbeat_interval = heartbeat_interval
         self._beat: tuple[threading.Thread, threading.Event] | None = None
 
     def create_trial(self, tuner_id):
         trial = super().create_trial(tuner_id)
-        if trial.status == trial_module.TrialStatus.IDLE:
+        if trial.status == kt.TrialStatus.IDLE:
             time.sleep(0.25)  # asked to wait: do not spin on the chief
         return trial
 
     def start_heartbeat(self, trial_id: str) -> None:
         self.stop_heartbeat()
         stop = threading.Event()
-        request = protos.get_service().GetTrialRequest(trial_id=trial_id)
+        request = kt.protos.get_service().GetTrialRequest(trial_id=trial_id)
 
         def beat():
             while not stop.wait(self._heartbeat_interval):

@@ -7,23 +7,18 @@ import os
 
 import numpy as np
 import tensorflow as tf
-from keras_tuner.src import utils as kt_utils
-from keras_tuner.src.distribute import oracle_client
-from keras_tuner.src.distribute import utils as dist_utils
-from keras_tuner.src.engine import hyperparameters as hp_module
-from keras_tuner.src.engine import trial as trial_module
-from keras_tuner.src.engine.tuner import maybe_distribute
 
 from keras_dist._checks import check_seconds
 from keras_dist.strategy import StrategySpec, resolve_strategy, worker_info
+from keras_dist.tuner import _kt_compat as kt
 from keras_dist.tuner import _oracle
 
 # Statuses a trial handed out by `create_trial` can have, for the broadcast
 # inside a multi-worker trial group.
 _STATUSES = (
-    trial_module.TrialStatus.RUNNING,
-    trial_module.TrialStatus.IDLE,
-    trial_module.TrialStatus.STOPPED,
+    kt.TrialStatus.RUNNING,
+    kt.TrialStatus.IDLE,
+    kt.TrialStatus.STOPPED,
 )
 _CODE_LENGTH = 64
 
@@ -131,17 +126,17 @@ class DistributedTuner:
         )
         self._kd_worker_timeout = float(worker_timeout)
         # The chief only serves the oracle: it does not touch devices.
-        chief = dist_utils.is_chief_oracle()
+        chief = kt.is_chief_oracle()
         self._kd_strategy = None if chief else resolve_strategy(strategy)
         info = None if chief else worker_info(self._kd_strategy)
         self._kd_group = info is not None and info.num_workers > 1
         self._kd_group_chief = info is None or info.is_chief
         self._kd_broadcast_fn = None
         kwargs["distribution_strategy"] = self._kd_strategy
-        if dist_utils.has_chief_oracle() and not chief:
+        if kt.has_chief_oracle() and not chief:
             worker_overwrite(kwargs)
         super().__init__(*args, **kwargs)
-        if isinstance(self.oracle, oracle_client.OracleClient):
+        if isinstance(self.oracle, kt.oracle_client.OracleClient):
             connect, call, beat = self._kd_timeouts
             client = _oracle.Client(
                 self.oracle._oracle,
@@ -156,7 +151,7 @@ class DistributedTuner:
     # -- building ----------------------------------------------------------
 
     def _populate_initial_space(self):
-        with maybe_distribute(self._kd_strategy):
+        with kt.maybe_distribute(self._kd_strategy):
             super()._populate_initial_space()
 
     def _try_build(self, hp):
@@ -171,10 +166,10 @@ class DistributedTuner:
         # keras-tuner's, with the optimizer built first: the checkpoint holds
         # its slots, which Keras otherwise skips with a warning.
         model = self._try_build(trial.hyperparameters)
-        with maybe_distribute(self._kd_strategy):
+        with kt.maybe_distribute(self._kd_strategy):
             if not model.built:
                 model.build_from_config(
-                    kt_utils.load_json(self._get_build_config_fname(trial.trial_id))
+                    kt.load_json(self._get_build_config_fname(trial.trial_id))
                 )
             if model.optimizer is not None and not model.optimizer.built:
                 model.optimizer.build(model.trainable_variables)
@@ -198,7 +193,7 @@ class DistributedTuner:
 
     def search(self, *fit_args, **fit_kwargs):
         """keras-tuner's `search`; on the chief, serves the oracle."""
-        if dist_utils.is_chief_oracle():
+        if kt.is_chief_oracle():
             if "verbose" in fit_kwargs:
                 self.oracle.verbose = fit_kwargs["verbose"]
             self.save()
@@ -213,9 +208,9 @@ class DistributedTuner:
         while True:
             self.pre_create_trial()
             trial = self._kd_agreed_trial()
-            if trial.status == trial_module.TrialStatus.STOPPED:
+            if trial.status == kt.TrialStatus.STOPPED:
                 break
-            if trial.status == trial_module.TrialStatus.IDLE:
+            if trial.status == kt.TrialStatus.IDLE:
                 continue
             self.on_trial_begin(trial)
             self._try_run_and_update_trial(trial, *fit_args, **fit_kwargs)
@@ -248,9 +243,9 @@ class DistributedTuner:
         status, trial_id = _decode(self._kd_broadcast(code))
         if trial is not None:
             return trial
-        if status == trial_module.TrialStatus.RUNNING:
+        if status == kt.TrialStatus.RUNNING:
             return self.oracle.get_trial(trial_id)
-        return trial_module.Trial(hp_module.HyperParameters(), status=status)
+        return kt.Trial(kt.HyperParameters(), status=status)
 
     def _kd_broadcast(self, code):
         strategy = self._kd_strategy
@@ -275,7 +270,7 @@ class DistributedTuner:
 def _encode(trial) -> np.ndarray:
     code = np.zeros([_CODE_LENGTH], np.float32)
     code[0] = _STATUSES.index(trial.status) + 1
-    if trial.status == trial_module.TrialStatus.RUNNING:
+    if trial.status == kt.TrialStatus.RUNNING:
         chars = [ord(c) for c in trial.trial_id]
         if len(chars) > _CODE_LENGTH - 2:
             raise ValueError(f"trial id too long to broadcast: {trial.trial_id!r}")
@@ -286,7 +281,7 @@ def _encode(trial) -> np.ndarray:
 
 def _decode(code) -> tuple[str, str | None]:
     status = _STATUSES[int(round(float(code[0]))) - 1]
-    if status != trial_module.TrialStatus.RUNNING:
+    if status != kt.TrialStatus.RUNNING:
         return status, None
     length = int(round(float(code[1])))
     return status, "".join(chr(int(round(float(c)))) for c in code[2 : 2 + length])

@@ -6,9 +6,9 @@ plus `DistributedTuner`'s keyword-only `strategy`, `connect_timeout`,
 """
 
 import keras_tuner
-from keras_tuner.src import utils as kt_utils
 
 from keras_dist.distributed_model import distribute
+from keras_dist.tuner import _kt_compat
 from keras_dist.tuner.distributed_tuner import DistributedTuner
 
 
@@ -73,7 +73,7 @@ class Hyperband(DistributedTuner, keras_tuner.Hyperband):
         if "tuner/trial_id" in hp.values:
             trial_id = hp.values["tuner/trial_id"]
             model.build_from_config(
-                kt_utils.load_json(self._get_build_config_fname(trial_id))
+                _kt_compat.load_json(self._get_build_config_fname(trial_id))
             )
             model.load_weights(self._get_checkpoint_fname(trial_id))
         return model
