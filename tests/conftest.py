@@ -19,4 +19,5 @@ collect_ignore = [
     "multi_worker/parity_main.py",
     "multi_worker/keras_tuner_main.py",
     "dtensor/golden_main.py",
+    "reliability/jobs.py",
 ]
