@@ -191,11 +191,13 @@ def verify(directory: str) -> dict:
         if digest != expected["sha256"]:
             raise CorruptBackupError(path, "checksum mismatch (corrupted)")
     arrays_path = os.path.join(directory, "arrays.npz")
+    array_names: set[str] = set()
     if os.path.isfile(arrays_path):
         try:  # plain arrays only: never unpickles
             with np.load(arrays_path, allow_pickle=False) as arrays:
                 for key in arrays.files:
                     arrays[key]
+                array_names = set(arrays.files)
         except (OSError, ValueError) as error:
             raise CorruptBackupError(arrays_path, f"unreadable arrays ({error})") from None
     state_path = os.path.join(directory, STATE)
@@ -207,7 +209,7 @@ def verify(directory: str) -> dict:
     if not isinstance(state, dict):
         raise CorruptBackupError(state_path, f"not a JSON object ({type(state).__name__})")
     if state.get("format") == FORMAT:  # another format is refused by its reader
-        problem = _state_problem(state, arrays_path)
+        problem = _state_problem(state, array_names)
         if problem:
             raise CorruptBackupError(state_path, problem)
         _check_checkpoint(os.path.join(directory, "variables"))
@@ -218,7 +220,7 @@ def _is_count(value) -> bool:
     return type(value) is int and value >= 0
 
 
-def _state_problem(state: dict, arrays_path: str) -> str | None:
+def _state_problem(state: dict, array_names: set[str]) -> str | None:
     """What is malformed in a format-1 state, or None."""
     position = state.get("position")
     if not isinstance(position, dict):
@@ -260,13 +262,9 @@ def _state_problem(state: dict, arrays_path: str) -> str | None:
             if not _is_count(count):
                 return f"callback state {key!r}: best_weights is {count!r}"
             needed += [f"{key}/best_weights/{i}" for i in range(count)]
-    if needed:
-        if not os.path.isfile(arrays_path):
-            return "arrays.npz is missing"
-        with np.load(arrays_path, allow_pickle=False) as arrays:
-            missing = sorted(set(needed) - set(arrays.files))
-        if missing:
-            return f"arrays.npz lacks {missing[0]!r}"
+    missing = sorted(set(needed) - array_names)
+    if missing:
+        return f"arrays.npz lacks {missing[0]!r}" if array_names else "arrays.npz is missing"
     return None
 
 

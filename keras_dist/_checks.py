@@ -49,14 +49,16 @@ def check_seconds(name: str, value) -> None:
 
 def check_timeout(name: str, value) -> None:
     """None (no limit) or a positive number of seconds."""
-    if value is not None and (
-        not isinstance(value, numbers.Real) or isinstance(value, bool) or not value > 0
-    ):
+    if value is None:
+        return
+    try:
+        check_seconds(name, value)
+    except ValueError:
         raise ValueError(
             f"Invalid value for argument `{name}`. Expected a positive number "
             f"of seconds, or None for no limit (0 on the command line). "
             f"Received: {name}={value!r}."
-        )
+        ) from None
 
 
 def check_log_dir(log_dir) -> None:

@@ -80,6 +80,12 @@ def check_arrays(x, y=None, sample_weight=None, prefix: str = "") -> None:
         )
 
 
+def check_inputs(model, x, y=None, sample_weight=None, prefix: str = "") -> None:
+    """`check_arrays`, then `check_class_labels` of `y` for `model`."""
+    check_arrays(x, y, sample_weight, prefix)
+    check_class_labels(model, y, prefix + "y")
+
+
 def _check_dtype(label: str, array) -> None:
     # As Keras: NumPy arrays of strings or objects are refused; a tf.Tensor
     # of strings is fine (a model may start with a text layer).

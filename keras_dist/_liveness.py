@@ -63,8 +63,9 @@ def start() -> None:
 
 
 def _beat() -> None:
-    while True:
-        _write()
+    # Ends when the file cannot be written: the launcher removed its
+    # directory, so nobody reads it any more.
+    while _write():
         time.sleep(INTERVAL)
 
 
@@ -94,7 +95,8 @@ _LIBRARY_PATHS = (
 )
 
 
-def _write() -> None:
+def _write() -> bool:
+    """Writes the heartbeat file; False when that is no longer possible."""
     payload = dict(_state, pid=os.getpid(), time=time.time(), where=_where())
     with _write_lock:
         tmp = f"{_path}.tmp"
@@ -103,7 +105,8 @@ def _write() -> None:
                 json.dump(payload, f)
             os.replace(tmp, _path)
         except OSError:
-            pass  # the launcher's directory went away: it is gone too
+            return False
+    return True
 
 
 def step_begins() -> None:
@@ -154,8 +157,17 @@ class Timeouts:
     """The launcher's limits, in seconds (None: not checked)."""
 
     start: float | None = 300.0
-    hang: float | None = 600.0
+    hang: float | None = 900.0
     unresponsive: float = UNRESPONSIVE_AFTER
+
+    @classmethod
+    def checked(cls, start_timeout, hang_timeout) -> "Timeouts":
+        """The launchers' `start_timeout` / `hang_timeout` arguments, checked."""
+        from keras_dist._checks import check_timeout
+
+        check_timeout("start_timeout", start_timeout)
+        check_timeout("hang_timeout", hang_timeout)
+        return cls(start=start_timeout, hang=hang_timeout)
 
 
 def read(path: str) -> dict | None:
@@ -176,6 +188,12 @@ def process_state(pid: int) -> tuple[str | None, float | None]:
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     # Fields after the command: state, ..., utime (12th), stime (13th).
     return fields[0], (int(fields[11]) + int(fields[12])) / ticks
+
+
+def is_stopped(pid: int) -> tuple[bool, str | None]:
+    """(whether the process is stopped by a signal or a debugger, its state)."""
+    state, _ = process_state(pid)
+    return state in ("T", "t"), state
 
 
 class Watch:
@@ -205,7 +223,7 @@ class Watch:
         state, cpu = process_state(self.pid)
         if state is None and beat is None:
             return None
-        stopped = state in ("T", "t")
+        stopped = state in ("T", "t")  # as is_stopped
         silent = beat is not None and now - beat["time"] > 3 * INTERVAL
         if not (stopped or silent):
             self.quiet_since = None

@@ -109,6 +109,12 @@ def relaunch(command: list[str], script: str, script_args, *, port, log_dir,
     return run_inside([*args, script, "--", *script_args])
 
 
+def set_up_if_inside() -> None:
+    """In the launcher that `run_inside` started: bring the loopback up."""
+    if inside():
+        bring_up_loopback()
+
+
 def bring_up_loopback() -> None:
     """A new network namespace starts with its loopback interface down."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:

@@ -316,12 +316,13 @@ class DistributedModel(keras.Model):
         """
         strategy = self._kd_strategy
         _input_checks.check_fit_arguments(epochs, initial_epoch, validation_split)
-        _input_checks.check_arrays(x, y, sample_weight)
-        _input_checks.check_class_labels(self, y)
+        _input_checks.check_inputs(self, x, y, sample_weight)
         if isinstance(validation_data, (tuple, list)):
-            vx, vy, vw = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
-            _input_checks.check_arrays(vx, vy, vw, prefix="validation_data's ")
-            _input_checks.check_class_labels(self, vy, "validation_data's y")
+            _input_checks.check_inputs(
+                self,
+                *keras.utils.unpack_x_y_sample_weight(tuple(validation_data)),
+                prefix="validation_data's ",
+            )
         batch_size = _data.global_batch_size(
             strategy, x, batch_size, per_replica_batch_size
         )
@@ -477,8 +478,7 @@ class DistributedModel(keras.Model):
         """`keras.Model.evaluate`, plus `per_replica_batch_size=`."""
         strategy = self._kd_strategy
         if not kwargs.get("_use_cached_eval_dataset", False):
-            _input_checks.check_arrays(x, y, sample_weight)
-            _input_checks.check_class_labels(self, y)
+            _input_checks.check_inputs(self, x, y, sample_weight)
         x = _data.protect_python_batches(strategy, x)
         if not kwargs.get("_use_cached_eval_dataset", False):
             batch_size = _data.global_batch_size(

@@ -20,7 +20,8 @@ from keras_dist import _cluster_spec
 from keras_dist import _exit_codes
 from keras_dist import _liveness
 from keras_dist import _netns
-from keras_dist._checks import check_log_dir, check_script, check_seconds, check_timeout
+from keras_dist import _tf_config
+from keras_dist._checks import check_log_dir, check_script, check_seconds
 
 _TAIL_LINES = 40
 HANG_EXIT_CODE = _exit_codes.HANG
@@ -114,12 +115,17 @@ def _signal(workers, signum: int) -> None:
                 pass
 
 
+def await_exit(workers, seconds: float) -> None:
+    """Waits up to `seconds` for `workers` to exit by themselves."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(w.proc.poll() is None for w in workers):
+        time.sleep(0.05)
+
+
 def stop_workers(workers, grace_period: float, signum: int = signal.SIGTERM) -> None:
     """Sends `signum` to `workers`, waits the grace period, kills the rest."""
     _signal(workers, signum)
-    deadline = time.monotonic() + grace_period
-    while time.monotonic() < deadline and any(w.proc.poll() is None for w in workers):
-        time.sleep(0.05)
+    await_exit(workers, grace_period)
     _signal(workers, signal.SIGKILL)
     for worker in workers:
         worker.proc.wait()
@@ -272,8 +278,8 @@ class _Group:
         for worker in self.workers:
             if worker is failed or worker.proc.poll() is not None:
                 continue
-            state, _ = _liveness.process_state(worker.proc.pid)
-            if state in ("T", "t"):
+            stopped, state = _liveness.is_stopped(worker.proc.pid)
+            if stopped:
                 return (
                     f"{worker.label} stopped responding: its process is stopped "
                     f"(state {state}: SIGSTOP, or a debugger)"
@@ -298,7 +304,7 @@ class _Group:
                     if code == PREEMPTED_EXIT_CODE:
                         reason += " (preempted: it saved a backup)"
                         # The others agreed to save and exit too: let them.
-                        self._await_exit(self.grace_period)
+                        await_exit(self.workers, self.grace_period)
                     cause = self.stopped_peer(worker)
                     if cause:
                         reason = f"{cause}; {reason} (its peer stopped answering)"
@@ -324,23 +330,12 @@ class _Group:
                 return _Outcome(HANG_EXIT_CODE, reason)
             time.sleep(0.05)
 
-    def _await_exit(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and any(
-            w.proc.poll() is None for w in self.workers
-        ):
-            time.sleep(0.05)
 
 
 def _in_cluster(tf_config: str | None) -> bool:
     """Whether a process's TF_CONFIG makes it one of several workers."""
-    if not tf_config:
-        return False
-    try:
-        cluster = json.loads(tf_config).get("cluster", {})
-    except (ValueError, AttributeError):
-        return False
-    return sum(len(v) for k, v in cluster.items() if k in ("chief", "worker")) > 1
+    cluster = _tf_config.parse_tf_config(tf_config) if tf_config else None
+    return cluster is not None and cluster.num_workers > 1
 
 
 def launch(
@@ -435,9 +430,7 @@ def launch(
     """
     configs_for = _plan(script, num_workers, hosts, rank, max_restarts, log_dir,
                         grace_period, module, port)
-    check_timeout("start_timeout", start_timeout)
-    check_timeout("hang_timeout", hang_timeout)
-    timeouts = _liveness.Timeouts(start=start_timeout, hang=hang_timeout)
+    timeouts = _liveness.Timeouts.checked(start_timeout, hang_timeout)
     if private_network and not _netns.inside():
         if num_workers is None:
             raise ValueError(
@@ -454,8 +447,7 @@ def launch(
             grace_period=grace_period, module=module, verbose=verbose,
             start_timeout=start_timeout, hang_timeout=hang_timeout,
         )
-    if _netns.inside():
-        _netns.bring_up_loopback()
+    _netns.set_up_if_inside()
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
     command = python_command(script, script_args, module)

@@ -9,10 +9,11 @@ from collections.abc import Sequence
 from keras_dist import _cluster_spec
 from keras_dist import _liveness
 from keras_dist import _netns
-from keras_dist._checks import check_log_dir, check_script, check_seconds, check_timeout
+from keras_dist._checks import check_log_dir, check_script, check_seconds
 from keras_dist.launcher import (
     HANG_EXIT_CODE,
     _Group,
+    await_exit,
     python_command,
     _describe_exit,
     _exit_status,
@@ -111,9 +112,7 @@ def launch_search(
     """
     _check(script, num_workers, workers_per_trial, port, log_dir,
            grace_period, finish_timeout, module)
-    check_timeout("start_timeout", start_timeout)
-    check_timeout("hang_timeout", hang_timeout)
-    timeouts = _liveness.Timeouts(start=start_timeout, hang=hang_timeout)
+    timeouts = _liveness.Timeouts.checked(start_timeout, hang_timeout)
     if private_network and not _netns.inside():
         return _netns.relaunch(
             ["tune", "--num-workers", str(num_workers),
@@ -123,8 +122,7 @@ def launch_search(
             grace_period=grace_period, module=module, verbose=verbose,
             start_timeout=start_timeout, hang_timeout=hang_timeout,
         )
-    if _netns.inside():
-        _netns.bring_up_loopback()
+    _netns.set_up_if_inside()
     if port is None:
         port = _cluster_spec.loopback_ports(1)[0]
     oracle = {
@@ -194,11 +192,7 @@ def _supervise(group, groups, interrupt, grace_period, finish_timeout) -> int:
                 return _exit_status(code)
             # The search is over: workers were told to stop; give them the
             # grace period to exit.
-            stop_after = time.monotonic() + grace_period
-            while time.monotonic() < stop_after and any(
-                w.proc.poll() is None for w in workers
-            ):
-                time.sleep(0.05)
+            await_exit(workers, grace_period)
             group.stop()
             _say(
                 f"search finished after {time.monotonic() - group.started:.1f}s"

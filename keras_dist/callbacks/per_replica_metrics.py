@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
+from keras_dist._checks import check_log_dir
 from keras_dist.strategy import worker_info
 
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
@@ -284,11 +285,7 @@ class PerReplicaMetrics(keras.callbacks.Callback):
                 f"Received: csv_path={csv_path!r}. Pass a file path, e.g. "
                 f"{os.path.join(os.fspath(csv_path), 'replicas.csv')!r}."
             )
-        if log_dir is not None and os.path.exists(log_dir) and not os.path.isdir(log_dir):
-            raise ValueError(
-                "Invalid value for argument `log_dir`: it exists and is not a "
-                f"directory. Received: log_dir={log_dir!r}."
-            )
+        check_log_dir(log_dir)
         if not isinstance(gradient_norm, bool):
             raise TypeError(
                 "Invalid type for argument `gradient_norm`. Expected a bool. "
