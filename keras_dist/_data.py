@@ -8,8 +8,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import _keras_compat
-from keras_dist.strategy import worker_info
+from keras_dist import _collectives
 
 _KERAS_DEFAULT_BATCH_SIZE = 32
 
@@ -139,54 +138,6 @@ def is_array_structure(value) -> bool:
     )
 
 
-def agreed_seed(strategy: tf.distribute.Strategy) -> int:
-    """A shuffle seed drawn by the chief and shared with every worker.
-
-    Drawn from NumPy's global generator, so `keras.utils.set_random_seed`
-    makes it reproducible.
-    """
-    local = int(np.random.randint(1, 2**31 - 1))
-    if not _keras_compat.is_multi_worker(strategy):
-        return local
-    chief = worker_info(strategy).is_chief
-    return agree_sum(strategy, [local if chief else 0])[0]
-
-
-_AGREE_FUNCTIONS: dict = {}
-
-
-def agree_sum(strategy: tf.distribute.Strategy, values) -> list[int]:
-    """Sums integer `values` over the workers (one collective).
-
-    Each worker's first replica contributes its values; every worker gets
-    the totals. Without multiple workers the values come back unchanged.
-    """
-    if not _keras_compat.is_multi_worker(strategy):
-        return [int(v) for v in values]
-    key = (id(strategy), len(values))
-    function = _AGREE_FUNCTIONS.get(key)
-    if function is None:
-        # Worker w's replicas are w * local ... w * local + local - 1 in the
-        # sync group: each worker's first is the one whose id `local` divides
-        # (replica 0 alone would be the chief's).
-        local = len(strategy.extended.worker_devices)
-
-        @tf.function
-        def contribution(values):
-            context = tf.distribute.get_replica_context()
-            first = tf.equal(context.replica_id_in_sync_group % local, 0)
-            return tf.where(first, values, tf.zeros_like(values))
-
-        def function(values):
-            return strategy.reduce(
-                "SUM", strategy.run(contribution, args=(values,)), axis=None
-            )
-
-        _AGREE_FUNCTIONS[key] = function
-    total = function(tf.constant([int(v) for v in values], tf.int64))
-    return [int(v) for v in total.numpy()]
-
-
 class DataCursor:
     """Where `fit` stands in its training input.
 
@@ -239,7 +190,7 @@ def array_dataset(strategy, x, y, sample_weight, batch_size, shuffle, seed):
     permutation every epoch once `keras.utils.set_random_seed` is called, and
     a different, unrecorded one per worker otherwise.
     """
-    multi_worker = _keras_compat.is_multi_worker(strategy)
+    multi_worker = _collectives.is_multi_worker(strategy)
     if not shuffle and not multi_worker:
         return None
     if shuffle == "batch":

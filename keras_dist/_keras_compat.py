@@ -34,7 +34,6 @@ Tested against the Keras versions in `TESTED_KERAS_VERSIONS`.
 from __future__ import annotations
 
 import contextlib
-import types
 import warnings
 
 import keras
@@ -45,7 +44,6 @@ from keras.src.losses import loss as keras_loss
 from keras.src.models.functional import Functional  # noqa: F401 (re-exported)
 from keras.src.models.model import functional_init_arguments  # noqa: F401 (re-exported)
 
-from keras_dist import _liveness
 
 TESTED_KERAS_VERSIONS = ("3.15",)
 
@@ -57,10 +55,15 @@ if not keras.__version__.startswith(TESTED_KERAS_VERSIONS):  # pragma: no cover
     )
 
 
-def is_multi_worker(strategy: tf.distribute.Strategy) -> bool:
+def in_multi_worker_mode(strategy: tf.distribute.Strategy) -> bool:
+    """A MultiWorkerMirroredStrategy's own test for several processes."""
+    return strategy.extended._in_multi_worker_mode()
+
+
+def _is_multi_worker(strategy) -> bool:
     return isinstance(
         strategy, tf.distribute.MultiWorkerMirroredStrategy
-    ) and strategy.extended._in_multi_worker_mode()
+    ) and in_multi_worker_mode(strategy)
 
 
 def first_replica_batch(strategy: tf.distribute.Strategy, batch):
@@ -110,275 +113,63 @@ def symbolic_build(model, iterator=None, data_batch=None) -> None:
 
 def reduce_per_replica(values, strategy, reduction: str):
     """Keras' `reduce_per_replica` with scalar-safe multi-worker means (fix 2)."""
-    if reduction in ("auto", "mean") and is_multi_worker(strategy):
+    if reduction in ("auto", "mean") and _is_multi_worker(strategy):
         return tf.nest.map_structure(
             lambda v: strategy.reduce("MEAN", v, axis=None), values
         )
     return keras_tf_trainer.reduce_per_replica(values, strategy, reduction)
 
 
-def make_function(model, step_function, before_input=None):
-    """Builds a train/test function; a replacement for `_make_function`.
+# -- accessors for keras_dist's step code (`_steps.py`) ------------------------
 
-    `before_input`, if given, is called in cross-replica context before each
-    step reads its input and returns tensors that the read waits for.
+
+def autoconvert_optionals(model, function):
+    """Keras' wrapper that turns `tf.experimental.Optional` outputs into values."""
+    return model._autoconvert_optionals(function)
+
+
+def call_has_training_arg(model) -> bool:
+    return model._call_has_training_arg
+
+
+def compute_loss(model, **kwargs):
+    """`Model._compute_loss`: the loss Keras' own train step computes."""
+    return model._compute_loss(**kwargs)
+
+
+def loss_tracker(model):
+    """The metric behind the `loss` log."""
+    return model._loss_tracker
+
+
+def unscale_loss_for_distribution(loss):
+    return keras_loss.unscale_loss_for_distribution(loss)
+
+
+def concat(tensors):
+    """Keras' concatenation of predict outputs (handles ragged/sparse)."""
+    return keras_tf_trainer.concat(tensors)
+
+
+# -- LearningRateScaler -------------------------------------------------------
+
+
+def learning_rate_variable(optimizer):
+    """What an optimizer reads its rate from: a variable or a schedule.
+
+    (`optimizer.learning_rate` evaluates a schedule; the scaler needs the
+    object itself, to wrap it and to put it back.)
     """
-    strategy = model.distribute_strategy
-
-    def next_input(iterator, get):
-        if before_input is None:
-            return get(iterator)
-        with tf.control_dependencies(before_input()):
-            return get(iterator)
-    steps_per_execution = int(model.steps_per_execution)
-
-    @tf.autograph.experimental.do_not_convert
-    def one_step_on_data(data):
-        outputs = strategy.run(step_function, args=(data,))
-        return reduce_per_replica(outputs, strategy, "auto")
-
-    # Inside the multi-step loop the step is inlined: a nested tf.function
-    # called from a loop branch under MirroredStrategy loses its captured
-    # inputs ("You must feed a value for placeholder tensor").
-    inline_step = model._autoconvert_optionals(one_step_on_data)
-    if not model.run_eagerly:
-        one_step_on_data = tf.function(
-            one_step_on_data,
-            reduce_retracing=True,
-            jit_compile=model.jit_compile,
-        )
-    one_step_on_data = model._autoconvert_optionals(one_step_on_data)
-
-    def multi_step_on_iterator(iterator):
-        # Fix 3: the first step raises OutOfRangeError at the end of the data
-        # (Keras turns it into StopIteration); later steps stop quietly.
-        outputs = inline_step(next_input(iterator, next))
-        for _ in tf.range(steps_per_execution - 1):
-            optional = next_input(iterator, _get_next_as_optional)
-            if not optional.has_value():
-                break
-            outputs = inline_step(optional.get_value())
-        return outputs
-
-    if steps_per_execution == 1:
-
-        def multi_step_on_iterator(iterator):
-            return one_step_on_data(next_input(iterator, next))
-
-    if not model.run_eagerly:
-        multi_step_on_iterator = tf.function(
-            multi_step_on_iterator, reduce_retracing=True
-        )
-
-    def function(iterator):
-        _liveness.step_begins()  # for the launcher's hang detection
-        try:
-            if isinstance(
-                iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
-            ):
-                return multi_step_on_iterator(iterator)
-            outputs = None
-            for _, data in zip(range(steps_per_execution), iterator):
-                outputs = one_step_on_data(data)
-            return outputs
-        finally:
-            _liveness.step()
-
-    return function
+    return optimizer._learning_rate
 
 
-def _get_next_as_optional(iterator):
-    return iterator.get_next_as_optional()
+def set_learning_rate_variable(optimizer, value) -> None:
+    optimizer._learning_rate = value
 
 
 def iter_sublayers(model):
     """Every layer nested in `model`, at any depth."""
     return model._flatten_layers(include_self=False, recursive=True)
-
-
-def agree_on_finite(optimizer, gradients, context):
-    """Makes every replica see non-finite gradients if any replica does.
-
-    Keras' `LossScaleOptimizer` decides whether to apply or skip a step from
-    the *local* (not yet all-reduced) gradients. Replicas that disagree
-    either apply an infinite update (MirroredStrategy takes replica 0's
-    verdict) or hang (MultiWorkerMirroredStrategy branches around the
-    all-reduce). One scalar all-reduce makes the verdict global.
-    """
-    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return gradients
-    local_ok = optimizer.check_finite(gradients)
-    bad = context.all_reduce("SUM", tf.cast(tf.logical_not(local_ok), tf.float32))
-    poison = tf.where(bad > 0.0, float("nan"), 1.0)
-
-    def apply(g):
-        if g is None:
-            return None
-        if isinstance(g, tf.IndexedSlices):
-            return tf.IndexedSlices(
-                g.values * tf.cast(poison, g.values.dtype), g.indices, g.dense_shape
-            )
-        return g * tf.cast(poison, g.dtype)
-
-    return [apply(g) for g in gradients]
-
-
-def train_step(model, data):
-    """Keras' TF `train_step`, exact for uneven splits across replicas.
-
-    Keras scales each replica's mean loss by 1/N. When a batch is split
-    unevenly (the last, partial batch of an epoch), that is not the global
-    mean: replica r's loss is rescaled by n_r * N / n, so the summed gradient
-    equals the gradient one device computes on the whole batch.
-    """
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    factor = None
-    strategy = tf.distribute.get_strategy()
-    context = tf.distribute.get_replica_context()
-    # Skipped (no collective) when the run's batches all split evenly.
-    if (
-        strategy.num_replicas_in_sync > 1
-        and context is not None
-        and not getattr(model, "_kd_even_batches", False)
-    ):
-        local = tf.cast(
-            tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0],
-            tf.float32,
-        )
-        total = context.all_reduce("SUM", local)
-        factor = tf.math.divide_no_nan(
-            local * float(strategy.num_replicas_in_sync), total
-        )
-    with tf.GradientTape() as tape:
-        if model._call_has_training_arg:
-            y_pred = model(x, training=True)
-        else:
-            y_pred = model(x)
-        loss = model._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-        )
-        model._loss_tracker.update_state(
-            keras_loss.unscale_loss_for_distribution(loss),
-            sample_weight=tf.shape(
-                next(t for t in tf.nest.flatten(x) if t is not None)
-            )[0],
-        )
-        if factor is not None:
-            loss = loss * tf.cast(factor, loss.dtype)
-        if model.optimizer is not None:
-            loss = model.optimizer.scale_loss(loss)
-    if model.trainable_weights:
-        gradients = tape.gradient(loss, model.trainable_weights)
-        monitor = getattr(model, "_kd_monitor", None)
-        if monitor is not None:
-            _monitor_gradients(monitor, model, gradients, factor)
-        if context is not None and strategy.num_replicas_in_sync > 1:
-            gradients = agree_on_finite(model.optimizer, gradients, context)
-        model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
-    else:
-        warnings.warn("The model does not have any trainable weights.")
-    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-
-def _monitor_gradients(monitor, model, gradients, factor) -> None:
-    """Hands `PerReplicaMetrics` the local compute end time and gradient norm."""
-    present = [g for g in gradients if g is not None]
-    if monitor.multi_worker:
-        with tf.control_dependencies(present):
-            monitor.trace_values["compute_done"] = tf.timestamp()
-    if not monitor.gradient_norm:
-        return
-    # The gradients are of the replica's mean loss times 1/N (Keras'
-    # distribution scaling), the uneven-batch factor and the loss scale.
-    scale = tf.cast(model.optimizer.scale_loss(tf.ones([])), tf.float32)
-    replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    if replicas > 1:
-        scale = scale / float(replicas)
-    if factor is not None:
-        scale = scale * tf.cast(factor, tf.float32)
-    norm = tf.linalg.global_norm([tf.cast(g, tf.float32) for g in present])
-    monitor.trace_values["grad_norm"] = tf.math.divide_no_nan(norm, scale)
-
-
-_GATHER_UNSUPPORTED = (tf.bfloat16, tf.float16)
-
-
-def make_predict_function(model):
-    """Keras' predict function, with outputs that can be gathered (fix 4).
-
-    Under `MultiWorkerMirroredStrategy` predictions are concatenated with a
-    collective gather, which rejects bfloat16 and float16 (mixed precision).
-    Such outputs are gathered as float32; `predict` casts them back.
-    """
-    strategy = model.distribute_strategy
-    upcast = is_multi_worker(strategy)
-    # A plain holder (Keras would wrap a dict set on the model for tracking).
-    dtypes = types.SimpleNamespace(outputs=None)
-
-    @tf.autograph.experimental.do_not_convert
-    def one_step_on_data(data):
-        outputs = model.predict_step(data)
-        if not upcast:
-            return outputs
-        dtypes.outputs = tf.nest.map_structure(lambda t: t.dtype, outputs)
-        return tf.nest.map_structure(
-            lambda t: tf.cast(t, tf.float32)
-            if t.dtype in _GATHER_UNSUPPORTED
-            else t,
-            outputs,
-        )
-
-    if not model.run_eagerly and model.jit_compile:
-        one_step_on_data = tf.function(
-            one_step_on_data, reduce_retracing=True, jit_compile=True
-        )
-    one_step_on_data = model._autoconvert_optionals(one_step_on_data)
-
-    @tf.autograph.experimental.do_not_convert
-    def one_step_on_data_distributed(data):
-        outputs = strategy.run(one_step_on_data, args=(data[0],))
-        return reduce_per_replica(outputs, strategy, "concat")
-
-    @tf.autograph.experimental.do_not_convert
-    def multi_step_on_data(data):
-        outputs = one_step_on_data_distributed(data[:1])
-        for single_step_data in data[1:]:
-            step_outputs = one_step_on_data_distributed([single_step_data])
-            outputs = tf.nest.map_structure(
-                lambda t1, t2: keras_tf_trainer.concat([t1, t2]),
-                outputs,
-                step_outputs,
-            )
-        return outputs
-
-    if model.steps_per_execution > 1:
-        predict_function = multi_step_on_data
-    else:
-        predict_function = one_step_on_data_distributed
-    if not model.run_eagerly:
-        predict_function = tf.function(predict_function, reduce_retracing=True)
-
-    def counted(data):
-        _liveness.step_begins()  # for the launcher's hang detection
-        try:
-            return predict_function(data)
-        finally:
-            _liveness.step()
-
-    return counted, dtypes
-
-
-def restore_dtypes(outputs, dtypes):
-    """Casts gathered float32 predictions back to the model's output dtypes."""
-    if dtypes.outputs is None:
-        return outputs
-    return tf.nest.map_structure(
-        lambda value, dtype: value.astype(dtype.as_numpy_dtype)
-        if hasattr(value, "astype") and dtype in _GATHER_UNSUPPORTED
-        else value,
-        outputs,
-        dtypes.outputs,
-    )
 
 
 # -- BackupAndRestore touch points -------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import dataclasses
 import os
 import shutil
 import tempfile
@@ -15,9 +14,12 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_dist import _collectives
 from keras_dist import _data
+from keras_dist import _fit_session
 from keras_dist import _input_checks
 from keras_dist import _keras_compat
+from keras_dist import _steps
 from keras_dist._keras_compat import Functional, functional_init_arguments
 from keras_dist.strategy import StrategySpec
 from keras_dist.strategy import is_default
@@ -94,6 +96,11 @@ class DistributedModel(keras.Model):
             `sync_batch_norm`, and in `fit`/`evaluate`/`predict` for batch
             sizes that do not fit the replicas.
     """
+
+    # Set by `fit` for the duration of one call (see _fit_session.py), and
+    # the composition the current train function was built for.
+    _kd_session = None
+    _kd_step_key = None
 
     def __new__(cls, *args, **kwargs):
         # `strategy` is a runtime choice, not part of the architecture: keep
@@ -253,32 +260,44 @@ class DistributedModel(keras.Model):
                 self.optimizer.build(self.trainable_variables)
 
     def train_step(self, data):
-        return _keras_compat.train_step(self, data)
+        session = self._kd_session
+        if session is None:
+            return _steps.train_step(self, data)
+        return _steps.train_step(
+            self,
+            data,
+            even_batches=session.even_batches,
+            gradient_monitor=session.gradient_monitor(),
+        )
 
     def make_train_function(self, force=False):
-        if self.train_function is not None and not force:
+        # The one place the train function is composed: the train step, the
+        # step wrappers the fit session's callbacks registered, and the
+        # even-batch flag (see keras_dist/_fit_session.py).
+        session = self._kd_session
+        key = None if session is None else session.step_key()
+        if self.train_function is not None and not force and key == self._kd_step_key:
             return self.train_function
         self._kd_prepare_layers()
-        monitor = getattr(self, "_kd_monitor", None)
-        step = self.train_step if monitor is None else monitor.wrap(self.train_step)
-        self._kd_train_monitor = monitor
-        self.train_function = _keras_compat.make_function(
-            self, step, before_input=None if monitor is None else monitor.before_input
+        step, before_input = (
+            (self.train_step, None) if session is None else session.compose(self.train_step)
         )
+        self._kd_step_key = key
+        self.train_function = _steps.make_function(self, step, before_input=before_input)
         return self.train_function
 
     def make_test_function(self, force=False):
         if self.test_function is not None and not force:
             return self.test_function
         self._kd_prepare_layers()
-        self.test_function = _keras_compat.make_function(self, self.test_step)
+        self.test_function = _steps.make_function(self, self.test_step)
         return self.test_function
 
     def make_predict_function(self, force=False):
         if self.predict_function is not None and not force:
             return self.predict_function
         self.predict_function, self._kd_predict_dtypes = (
-            _keras_compat.make_predict_function(self)
+            _steps.make_predict_function(self)
         )
         return self.predict_function
 
@@ -339,55 +358,53 @@ class DistributedModel(keras.Model):
                 (x, y, sample_weight), validation_split
             )
             validation_split = 0.0
-        backup = _find_backup(callbacks)
-        monitor = _find_monitor(callbacks)
-        self._kd_monitor = None if monitor is None else monitor._kd_monitor(self)
-        if getattr(self, "_kd_train_monitor", None) is not self._kd_monitor:
-            self.train_function = None
+        session = _fit_session.FitSession(
+            self,
+            strategy,
+            callbacks,
+            custom_train_step=type(self).train_step is not DistributedModel.train_step,
+        )
         global_batch = batch_size or _data.static_batch_size(x)
         num_samples = (
             int(tf.nest.flatten(x)[0].shape[0]) if _data.is_array_structure(x) else None
         )
-        self._kd_set_even_batches(
-            _data.batches_split_evenly(
-                strategy.num_replicas_in_sync, global_batch, num_samples
-            )
+        session.even_batches = _data.batches_split_evenly(
+            strategy.num_replicas_in_sync, global_batch, num_samples
         )
         cursor = _data.DataCursor(
             _data.input_kind(x), persistent=steps_per_epoch is not None
         )
         if cursor.kind != "arrays":
             num_samples = None
-        resumed = backup._kd_select(strategy, fresh=True) if backup is not None else None
-        dataset = None
-        if cursor.kind == "arrays":
-            seed = None
-            if shuffle and shuffle != "batch":
-                seed = (resumed or {}).get("data", {}).get("seed")
-                seed = seed or _data.agreed_seed(strategy)
-            dataset = _data.array_dataset(
-                strategy, x, y, sample_weight, batch_size, shuffle, seed
-            )
-            if dataset is None and shuffle:
-                cursor.kind = "other"  # Keras' own, unrecorded shuffle
-            cursor.seed = seed
-        if dataset is not None:
-            # Shuffled already, with a seed every worker agreed on.
-            x, y, sample_weight, batch_size = dataset, None, None, None
-            shuffle = False
-        if validation_data is not None:
-            validation_data = self._kd_eval_dataset(
-                validation_data, validation_batch_size or batch_size or 32
-            )
-        self._kd_fit_context = _FitContext(
-            callbacks=list(callbacks or []),
-            cursor=cursor,
-            num_samples=num_samples,
-            batch_size=global_batch,
-            steps_per_epoch=steps_per_epoch,
-            dataset=x if isinstance(x, tf.data.Dataset) else None,
-        )
         try:
+            # Callbacks set up now: a backup to resume from gives the seed.
+            session.set_up()
+            dataset, seed = None, None
+            if cursor.kind == "arrays":
+                if shuffle and shuffle != "batch":
+                    seed = (session.resumed or {}).get("data", {}).get("seed")
+                    seed = seed or _collectives.agreed_seed(strategy)
+                dataset = _data.array_dataset(
+                    strategy, x, y, sample_weight, batch_size, shuffle, seed
+                )
+                if dataset is None and shuffle:
+                    cursor.kind = "other"  # Keras' own, unrecorded shuffle
+                cursor.seed = seed
+            if dataset is not None:
+                # Shuffled already, with a seed every worker agreed on.
+                x, y, sample_weight, batch_size = dataset, None, None, None
+                shuffle = False
+            if validation_data is not None:
+                validation_data = self._kd_eval_dataset(
+                    validation_data, validation_batch_size or batch_size or 32
+                )
+            session.cursor = cursor
+            session.seed = seed
+            session.num_samples = num_samples
+            session.batch_size = global_batch
+            session.steps_per_epoch = steps_per_epoch
+            session.dataset = x if isinstance(x, tf.data.Dataset) else None
+            self._kd_session = session
             with _scope(strategy), _keras_compat.counting_train_iterator(cursor):
                 return super().fit(
                     x=x,
@@ -410,26 +427,11 @@ class DistributedModel(keras.Model):
                     validation_freq=validation_freq,
                 )
         finally:
-            self._kd_fit_context = None
-            self._kd_monitor = None
-            if backup is not None:
-                backup._kd_release()
-
-    def _kd_set_even_batches(self, even: bool) -> None:
-        """Whether every batch of the coming run splits evenly over the replicas.
-
-        When it does, each replica's loss needs no correction for an uneven
-        split, and the train step skips the scalar all-reduce that measures
-        one (about 12% of the step time of a small MLP on 2 CPU replicas).
-        The train function is rebuilt when this changes.
-        """
-        if getattr(self, "_kd_even_batches", False) != even:
-            self._kd_even_batches = even
-            self.train_function = None
+            self._kd_session = None
+            session.tear_down()
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):
-        self._kd_set_even_batches(False)
         return super().train_on_batch(x, y, sample_weight=sample_weight,
                                       class_weight=class_weight, return_dict=return_dict)
 
@@ -451,7 +453,7 @@ class DistributedModel(keras.Model):
         return verbose if worker_info(self._kd_strategy).is_chief else 0
 
     def _kd_eval_dataset(self, data, batch_size):
-        if not _keras_compat.is_multi_worker(self._kd_strategy):
+        if not _collectives.is_multi_worker(self._kd_strategy):
             return data
         if not isinstance(data, (tuple, list)):
             return data
@@ -533,7 +535,7 @@ class DistributedModel(keras.Model):
                 steps=steps,
                 callbacks=callbacks,
             )
-        return _keras_compat.restore_dtypes(outputs, self._kd_predict_dtypes)
+        return _steps.restore_dtypes(outputs, self._kd_predict_dtypes)
 
     # -- saving ------------------------------------------------------------
 
@@ -559,8 +561,8 @@ class DistributedModel(keras.Model):
         finally:
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
-        if _keras_compat.is_multi_worker(strategy):
-            failed = _data.agree_sum(strategy, [error is not None])[0]
+        if _collectives.is_multi_worker(strategy):
+            failed = _collectives.agree_sum(strategy, [error is not None])[0]
             if failed and error is None:
                 raise RuntimeError(
                     f"Saving {str(filepath)!r} failed on {failed} other "
@@ -603,41 +605,6 @@ class DistributedModel(keras.Model):
         if not self._kd_sync_batch_norm:
             config["sync_batch_norm"] = False
         return config
-
-
-@dataclasses.dataclass
-class _FitContext:
-    """What `fit` knows and its callbacks cannot see (for BackupAndRestore)."""
-
-    callbacks: list
-    cursor: _data.DataCursor
-    num_samples: int | None
-    batch_size: int | None
-    steps_per_epoch: int | None
-    dataset: tf.data.Dataset | None = None  # the training input, if a Dataset
-
-
-def _find_one(callbacks, cls):
-    """The single instance of `cls` among `callbacks`, or None."""
-    found = [c for c in callbacks or [] if isinstance(c, cls)]
-    if len(found) > 1:
-        raise ValueError(
-            f"Argument `callbacks` holds more than one {cls.__name__}. "
-            f"Received: {len(found)} of them. Pass a single one."
-        )
-    return found[0] if found else None
-
-
-def _find_backup(callbacks):
-    from keras_dist.callbacks.backup_and_restore import BackupAndRestore
-
-    return _find_one(callbacks, BackupAndRestore)
-
-
-def _find_monitor(callbacks):
-    from keras_dist.callbacks.per_replica_metrics import PerReplicaMetrics
-
-    return _find_one(callbacks, PerReplicaMetrics)
 
 
 def _graph_variables(args, kwargs) -> list:

@@ -20,7 +20,9 @@ import tensorflow as tf
 
 from keras_dist import _backup_store as store
 from keras_dist import _exit_codes
+from keras_dist import _collectives
 from keras_dist import _data
+from keras_dist import _fit_session
 from keras_dist import _keras_compat
 from keras_dist.strategy import worker_info
 
@@ -193,6 +195,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save_every_seconds = save_every_seconds
         self.preemption_signals = tuple(signals)
         self._selected = None  # chosen backup, from selection to end of fit
+        self._session = None  # the DistributedModel.fit session, during one
+        self._skipping = _fit_session.TrainFunctionOverride()
         self._reset_run()
 
     # -- per-run state (reset at the start and end of every fit) -----------
@@ -215,7 +219,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._skip_calls = 0
         self._skip_extra = 0
         self._skipped_last_call = False
-        self._original_train_function = None
         self._signal_event = threading.Event()
         self._previous_handlers = {}
         self._warned = set()
@@ -241,7 +244,18 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "directory path this process can create and write."
             ) from None
 
-    def _kd_select(self, strategy, fresh: bool = False):
+    def setup_fit(self, session) -> None:
+        """The fit-session hook (see `keras_dist/_fit_session.py`).
+
+        The backup is chosen now, before `fit` shuffles its input: the
+        shuffle seed of the interrupted run is part of the backup.
+        """
+        session.claim("backup", self)
+        self._session = session
+        session.resumed = self._select(session.strategy, fresh=True)
+        session.add_teardown(self._release)
+
+    def _select(self, strategy, fresh: bool = False):
         """Chooses (once per fit) the backup to restore; None when none.
 
         `fresh` drops a choice left by an earlier fit that never reached
@@ -250,7 +264,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._strategy = strategy
         info = worker_info(strategy)
         self._chief = info.is_chief
-        self._multi_worker = _keras_compat.is_multi_worker(strategy)
+        self._multi_worker = _collectives.is_multi_worker(strategy)
         if fresh:
             self._selected = None
         if self._selected is not None:
@@ -272,7 +286,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                     continue
                 chosen = sequence
                 break
-        chosen = _data.agree_sum(strategy, [chosen])[0]
+        chosen = _collectives.agree_sum(strategy, [chosen])[0]
         if chosen and state is None:  # the chief verified its choice above
             directory = os.path.join(self.backup_dir, store.backup_name(chosen))
             try:
@@ -285,16 +299,17 @@ class BackupAndRestore(keras.callbacks.Callback):
                 ) from None
         # Later saves continue the numbering past every backup on disk.
         existing = store.list_backups(self.backup_dir) if self._chief else []
-        newest = _data.agree_sum(strategy, [existing[0] if existing else 0])[0]
+        newest = _collectives.agree_sum(strategy, [existing[0] if existing else 0])[0]
         self._selected = (chosen, state, newest)
         return state
 
-    def _kd_release(self) -> None:
+    def _release(self) -> None:
         """Undoes what a fit that did not reach `on_train_end` left behind."""
         self._unmute_siblings()
         self._restore_handlers()
-        self._unwrap_train_function()
+        self._skipping.remove()
         self._selected = None
+        self._session = None
 
     def _groups(self) -> dict:
         model = self.model
@@ -418,8 +433,6 @@ class BackupAndRestore(keras.callbacks.Callback):
     # -- skipping the batches already trained ------------------------------
 
     def _wrap_train_function(self) -> None:
-        original = self.model.train_function
-        self._original_train_function = original
         spe = max(1, int(self.model.steps_per_execution or 1))
 
         def consume(iterator, count):
@@ -427,7 +440,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 next(iterator)
             self._cursor.consumed += count
 
-        def skipping(iterator):
+        def skipping(original, iterator):
             if self._skip_extra:
                 extra, self._skip_extra = self._skip_extra, 0
                 consume(iterator, extra)
@@ -436,18 +449,13 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._skipped_last_call = True
                 consume(iterator, spe)
                 if not self._skip_calls:
-                    self._unwrap_train_function()
+                    self._skipping.remove()
                 return self.model.get_metrics_result()
             self._skipped_last_call = False
-            self._unwrap_train_function()
+            self._skipping.remove()
             return original(iterator)
 
-        self.model.train_function = skipping
-
-    def _unwrap_train_function(self) -> None:
-        if self._original_train_function is not None:
-            self.model.train_function = self._original_train_function
-            self._original_train_function = None
+        self._skipping.install(self.model, lambda function: _bind(skipping, function))
 
     def _mute_siblings(self) -> None:
         """Hides the skipped steps from the other callbacks of this fit.
@@ -642,16 +650,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         # on_train_end) is undone first.
         self._unmute_siblings()
         self._restore_handlers()
-        self._unwrap_train_function()
+        self._skipping.remove()
         self._reset_run()
-        context = getattr(self.model, "_kd_fit_context", None)
+        context = self._session
         self._context = context
         self._cursor = context.cursor if context is not None else (
             _data.DataCursor("unknown", persistent=False)
         )
         # A DistributedModel's fit chose the backup just before (it needs
         # the shuffle seed first); any other fit chooses now, from the disk.
-        state = self._kd_select(
+        state = self._select(
             self.model.distribute_strategy, fresh=context is None
         )
         chosen, _, newest = self._selected
@@ -673,7 +681,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             # finished epoch after it was saved: save again if they did.
             changed = not _same_states(self._callback_states(), self._saved_states)
             if self._multi_worker:
-                changed = _data.agree_sum(self._strategy, [changed])[0] > 0
+                changed = _collectives.agree_any(self._strategy, [changed])[0]
             if changed:
                 self._epoch, self._step = epoch, 0
                 self._save()
@@ -754,14 +762,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         )
         preempted = self._signal_event.is_set()
         if self._multi_worker and (self.save_every_seconds or self._previous_handlers):
-            timed, preempted = (
-                v > 0 for v in _data.agree_sum(self._strategy, [timed, preempted])
+            timed, preempted = _collectives.agree_any(
+                self._strategy, [timed, preempted]
             )
         if by_steps or timed or preempted:
             self._save()
         if preempted:
             self._restore_handlers()
-            self._unwrap_train_function()
+            self._skipping.remove()
             self._selected = None
             if self._chief:
                 print(
@@ -790,7 +798,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._unmute_siblings()
         self._restore_handlers()
-        self._unwrap_train_function()
+        self._skipping.remove()
         if self.delete_checkpoint:
             if self._chief:
                 store.delete_all(self.backup_dir)
@@ -802,6 +810,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         _keras_compat.set_initial_epoch(self.model, None)
         self._selected = None
         self._reset_run()
+
+
+def _bind(skipping, original):
+    return lambda iterator: skipping(original, iterator)
 
 
 _LEGACY_KEY = re.compile(r"^\d+:\w+$")

@@ -9,6 +9,8 @@ from typing import Literal
 import keras
 import tensorflow as tf
 
+from keras_dist import _fit_session
+from keras_dist import _keras_compat
 from keras_dist.strategy import worker_info
 
 Rule = Literal["linear", "sqrt", "none"]
@@ -304,6 +306,7 @@ class LearningRateScaler(keras.callbacks.Callback):
         self.async_safe = not verbose
         # Per-run state (set when fit starts, cleared when it ends).
         self._installed = None
+        self._session = None  # the DistributedModel.fit session, during one
         self.factor = None
         self.final_multiplier = None
         self.warmup_total_steps = None
@@ -313,11 +316,19 @@ class LearningRateScaler(keras.callbacks.Callback):
     # the graph of this fit without retracing a function built already.
     def set_params(self, params):
         super().set_params(params)
-        if getattr(self, "_model", None) is not None and params and "steps" in params:
+        if self.model is not None and params and "steps" in params:
             self._install(params)
 
+    def setup_fit(self, session) -> None:
+        """The fit-session hook: the global batch size comes from `fit`."""
+        self._session = session
+        session.add_teardown(self._end_session)
+
+    def _end_session(self) -> None:
+        self._session = None
+
     def _global_batch(self):
-        context = getattr(self.model, "_kd_fit_context", None)
+        context = self._session
         batch = getattr(context, "batch_size", None)
         dataset = getattr(context, "dataset", None)
         if batch is None and dataset is not None:
@@ -346,7 +357,7 @@ class LearningRateScaler(keras.callbacks.Callback):
             )
         optimizer = _innermost(optimizer)
         self._uninstall_stale(optimizer)
-        current = optimizer._learning_rate
+        current = _keras_compat.learning_rate_variable(optimizer)
         if isinstance(current, keras.Variable):
             if not current.dtype.startswith("float"):
                 raise TypeError(
@@ -383,9 +394,13 @@ class LearningRateScaler(keras.callbacks.Callback):
         ramp = _Ramp(_rule_factor(factor, self.rule), steps)
         installed = {"optimizer": optimizer, "rate": current, "momentum": None}
         if isinstance(current, keras.Variable):
-            optimizer._learning_rate = _ScaledRate(current, optimizer, ramp)
+            _keras_compat.set_learning_rate_variable(
+                optimizer, _ScaledRate(current, optimizer, ramp)
+            )
         else:
-            optimizer._learning_rate = _ScaledSchedule(current, ramp)
+            _keras_compat.set_learning_rate_variable(
+                optimizer, _ScaledSchedule(current, ramp)
+            )
         if (
             self.momentum_correction
             and isinstance(optimizer, keras.optimizers.SGD)
@@ -400,15 +415,15 @@ class LearningRateScaler(keras.callbacks.Callback):
             # Only SGD with momentum_correction has its momentum replaced;
             # other optimizers (Adam, RMSprop, ...) may have no momentum.
             corrected = _installed["momentum"] is not None
-            scaled_rate = _optimizer._learning_rate
+            scaled_rate = _keras_compat.learning_rate_variable(_optimizer)
             scaled_momentum = _optimizer.momentum if corrected else None
-            _optimizer._learning_rate = _installed["rate"]
+            _keras_compat.set_learning_rate_variable(_optimizer, _installed["rate"])
             if corrected:
                 _optimizer.momentum = _installed["momentum"]
             try:
                 return type(_optimizer).get_config(_optimizer)
             finally:
-                _optimizer._learning_rate = scaled_rate
+                _keras_compat.set_learning_rate_variable(_optimizer, scaled_rate)
                 if corrected:
                     _optimizer.momentum = scaled_momentum
 
@@ -419,7 +434,7 @@ class LearningRateScaler(keras.callbacks.Callback):
         self.final_multiplier = ramp.final
         self.warmup_total_steps = steps
         # A train function traced before (an earlier fit) holds the old rate.
-        model.train_function = None
+        _fit_session.invalidate_train_function(model)
         if self.verbose and worker_info(strategy).is_chief:
             print(
                 f"LearningRateScaler: {strategy.num_replicas_in_sync} replica(s), "
@@ -431,11 +446,11 @@ class LearningRateScaler(keras.callbacks.Callback):
 
     def _uninstall_stale(self, optimizer) -> None:
         """Removes a scaling left by a fit that ended with an exception."""
-        rate = optimizer._learning_rate
+        rate = _keras_compat.learning_rate_variable(optimizer)
         if isinstance(rate, _ScaledRate):
-            optimizer._learning_rate = rate.variable
+            _keras_compat.set_learning_rate_variable(optimizer, rate.variable)
         elif isinstance(rate, _ScaledSchedule):
-            optimizer._learning_rate = rate.schedule
+            _keras_compat.set_learning_rate_variable(optimizer, rate.schedule)
         if isinstance(getattr(optimizer, "momentum", None), _CorrectedMomentum):
             optimizer.momentum = optimizer.momentum.momentum
         optimizer.__dict__.pop("get_config", None)
@@ -446,7 +461,7 @@ class LearningRateScaler(keras.callbacks.Callback):
         self._uninstall_stale(self._installed["optimizer"])
         self._installed = None
         # The next fit traces again, with or without a scaler.
-        self.model.train_function = None
+        _fit_session.invalidate_train_function(self.model)
 
     def current_learning_rate(self) -> float:
         """The learning rate in effect now (scaled), as a float."""

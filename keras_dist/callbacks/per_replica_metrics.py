@@ -315,10 +315,11 @@ class PerReplicaMetrics(keras.callbacks.Callback):
         # One monitor per strategy (its variables live on that strategy).
         self._monitors: dict = {}
         self._run = None  # per-run state, reset in on_train_begin
+        self._monitor = None  # this fit's monitor, set by setup_fit
         # On one worker Keras may run `on_train_batch_end` in a thread pool
         # (it does not touch the logs): the bookkeeping takes a lock. With
         # several workers it reads the timings every `straggler_steps` steps,
-        # in step with the training loop (set in `_kd_monitor`).
+        # in step with the training loop (set in `setup_fit`).
         self.async_safe = True
         self._lock = threading.Lock()
 
@@ -333,55 +334,57 @@ class PerReplicaMetrics(keras.callbacks.Callback):
                 value = threading.Lock()
             elif key == "_monitors":
                 value = {}
-            elif key in ("_run", "_model"):
+            elif key in ("_run", "_model", "_monitor"):
                 value = None
             else:
                 value = copy.deepcopy(value, memo)
             copied.__dict__[key] = value
         return copied
 
-    # -- hooks for DistributedModel.fit ------------------------------------
+    # -- the fit-session hook (keras_dist/_fit_session.py) -----------------
 
-    def _kd_monitor(self, model) -> _ReplicaMonitor:
-        """The in-graph monitor for `model`'s strategy (created once)."""
-        if self.gradient_norm and _has_custom_train_step(model):
+    def setup_fit(self, session) -> None:
+        """Puts the in-graph monitor around this fit's train step."""
+        session.claim("per_replica_metrics", self)
+        if self.gradient_norm and session.custom_train_step:
             raise ValueError(
                 "PerReplicaMetrics(gradient_norm=True) needs the built-in "
-                f"train_step; {type(model).__name__} overrides train_step. "
-                "Pass gradient_norm=False, or compute the norm in your "
-                "train_step and return it in its logs (it is then reported "
-                "per replica like any metric)."
+                f"train_step; {type(session.model).__name__} overrides "
+                "train_step. Pass gradient_norm=False, or compute the norm in "
+                "your train_step and return it in its logs (it is then "
+                "reported per replica like any metric)."
             )
-        strategy = model.distribute_strategy
+        strategy = session.strategy
         key = id(strategy)
         monitor = self._monitors.get(key)
         if monitor is None or monitor.strategy is not strategy:
             monitor = _ReplicaMonitor(strategy, self.gradient_norm)
             self._monitors[key] = monitor
         self.async_safe = not monitor.multi_worker
-        return monitor
+        session.wrap_train_step(
+            self,
+            monitor.wrap,
+            before_input=monitor.before_input,
+            gradient_monitor=monitor,
+        )
+        self._monitor = monitor
+        session.add_teardown(self._end_session)
+
+    def _end_session(self) -> None:
+        self._monitor = None
 
     # -- per run -----------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        from keras_dist.distributed_model import DistributedModel
-
         model = self.model
-        if not isinstance(model, DistributedModel):
+        monitor = self._monitor
+        if monitor is None:
             raise TypeError(
-                "PerReplicaMetrics needs a keras_dist.DistributedModel: a plain "
-                f"{type(model).__name__} reduces every value across replicas "
-                "inside its train step. Received: a model of type "
-                f"{type(model).__name__}. Convert it with "
-                "keras_dist.distribute(model)."
-            )
-        monitor = getattr(model, "_kd_monitor", None)
-        if monitor is None or monitor is not self._monitors.get(
-            id(model.distribute_strategy)
-        ):
-            raise RuntimeError(
-                "PerReplicaMetrics was not set up by DistributedModel.fit. "
-                "Pass it in fit(callbacks=[...])."
+                "PerReplicaMetrics needs the fit of a keras_dist.DistributedModel "
+                "(a plain keras.Model reduces every value across replicas inside "
+                "its train step), with the callback in fit(callbacks=[...]). "
+                f"Received: a model of type {type(model).__name__}. Convert it "
+                "with keras_dist.distribute(model)."
             )
         strategy = model.distribute_strategy
         info = worker_info(strategy)
@@ -554,9 +557,3 @@ def _is_positive_int(value) -> bool:
         and not isinstance(value, bool)
         and value > 0
     )
-
-
-def _has_custom_train_step(model) -> bool:
-    from keras_dist.distributed_model import DistributedModel
-
-    return type(model).train_step is not DistributedModel.train_step

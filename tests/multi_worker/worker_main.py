@@ -183,9 +183,9 @@ elif scenario == "callbacks":
 
 elif scenario == "agree":
     # Every worker's vote counts: worker r contributes r + 1 and 10 (r + 1).
-    from keras_dist import _data
+    from keras_dist import _collectives
 
-    results["sum"] = np.array(_data.agree_sum(strategy, [rank + 1, 10 * (rank + 1)]))
+    results["sum"] = np.array(_collectives.agree_sum(strategy, [rank + 1, 10 * (rank + 1)]))
 
 else:
     raise SystemExit(f"unknown scenario {scenario!r}")

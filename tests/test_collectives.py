@@ -1,11 +1,11 @@
-"""The private Keras touch points, checked directly."""
+"""Collectives and rank logic (`keras_dist._collectives`), checked directly."""
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 import keras_dist
-from keras_dist import _keras_compat
+from keras_dist import _collectives
 
 
 def run_on_replicas(make_gradient):
@@ -19,7 +19,7 @@ def run_on_replicas(make_gradient):
         def replica_fn():
             context = tf.distribute.get_replica_context()
             rid = tf.cast(context.replica_id_in_sync_group, tf.float32)
-            (out,) = _keras_compat.agree_on_finite(
+            (out,) = _collectives.agree_on_finite(
                 optimizer, [make_gradient(rid)], context
             )
             return out
@@ -44,4 +44,4 @@ def test_finite_gradients_are_left_alone():
 
 def test_plain_optimizers_are_untouched():
     g = [tf.constant([np.inf])]
-    assert _keras_compat.agree_on_finite(keras.optimizers.SGD(), g, None) is g
+    assert _collectives.agree_on_finite(keras.optimizers.SGD(), g, None) is g

@@ -1,0 +1,144 @@
+"""Collectives and rank logic: the one place where workers talk or agree.
+
+Every decision that changes training is agreed here, with one collective
+that every worker issues in the same order (see STYLE.md, Callbacks):
+
+- `is_multi_worker`: whether a strategy spans several processes.
+- `agree_sum` / `agree_any`: integer totals / a vote over the workers.
+- `agreed_seed`: a shuffle seed drawn by the chief, shared by all.
+- `broadcast_from_chief`: an int64 vector from the chief to every worker.
+- `agree_on_finite`: in a replica step, the loss-scale verdict made global.
+- `chief_print`: output from the chief only.
+
+`worker_info` (the public rank description) lives in `keras_dist.strategy`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+import keras
+
+from keras_dist import _keras_compat
+from keras_dist.strategy import worker_info
+
+
+def is_multi_worker(strategy: tf.distribute.Strategy) -> bool:
+    """Whether `strategy` is a MultiWorkerMirroredStrategy over several processes."""
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and _keras_compat.in_multi_worker_mode(strategy)
+
+
+def is_chief(strategy: tf.distribute.Strategy) -> bool:
+    return worker_info(strategy).is_chief
+
+
+def chief_print(strategy: tf.distribute.Strategy, message: str) -> None:
+    """Prints (flushed) on the chief only."""
+    if is_chief(strategy):
+        print(message, flush=True)
+
+
+_AGREE_FUNCTIONS: dict = {}
+
+
+def agree_sum(strategy: tf.distribute.Strategy, values) -> list[int]:
+    """Sums integer `values` over the workers (one collective).
+
+    Each worker's first replica contributes its values; every worker gets
+    the totals. Without multiple workers the values come back unchanged.
+    """
+    if not is_multi_worker(strategy):
+        return [int(v) for v in values]
+    key = (id(strategy), len(values))
+    function = _AGREE_FUNCTIONS.get(key)
+    if function is None:
+        # Worker w's replicas are w * local ... w * local + local - 1 in the
+        # sync group: each worker's first is the one whose id `local` divides
+        # (replica 0 alone would be the chief's).
+        local = len(strategy.extended.worker_devices)
+
+        @tf.function
+        def contribution(values):
+            context = tf.distribute.get_replica_context()
+            first = tf.equal(context.replica_id_in_sync_group % local, 0)
+            return tf.where(first, values, tf.zeros_like(values))
+
+        def function(values):
+            return strategy.reduce(
+                "SUM", strategy.run(contribution, args=(values,)), axis=None
+            )
+
+        _AGREE_FUNCTIONS[key] = function
+    total = function(tf.constant([int(v) for v in values], tf.int64))
+    return [int(v) for v in total.numpy()]
+
+
+def agree_any(strategy: tf.distribute.Strategy, flags) -> list[bool]:
+    """For each flag, whether any worker raised it (one collective)."""
+    return [total > 0 for total in agree_sum(strategy, [bool(f) for f in flags])]
+
+
+def agreed_seed(strategy: tf.distribute.Strategy) -> int:
+    """A shuffle seed drawn by the chief and shared with every worker.
+
+    Drawn from NumPy's global generator, so `keras.utils.set_random_seed`
+    makes it reproducible.
+    """
+    local = int(np.random.randint(1, 2**31 - 1))
+    if not is_multi_worker(strategy):
+        return local
+    return agree_sum(strategy, [local if is_chief(strategy) else 0])[0]
+
+
+def broadcast_from_chief(strategy: tf.distribute.Strategy):
+    """A function `int64 vector -> numpy vector` that every worker calls.
+
+    The chief passes the value, the others zeros of the same shape; each
+    gets the chief's value back (one all-reduce).
+    """
+
+    @tf.function
+    def broadcast(value):
+        def replica_fn(v):
+            # The identity puts the value on the replica's device
+            # (MultiWorkerMirroredStrategy finds no destination for a host
+            # tensor passed in).
+            context = tf.distribute.get_replica_context()
+            return context.all_reduce("SUM", tf.identity(v))
+
+        return strategy.run(replica_fn, args=(value,))
+
+    def call(value):
+        result = broadcast(tf.constant(value))
+        return strategy.experimental_local_results(result)[0].numpy()
+
+    return call
+
+
+def agree_on_finite(optimizer, gradients, context):
+    """Makes every replica see non-finite gradients if any replica does.
+
+    Keras' `LossScaleOptimizer` decides whether to apply or skip a step from
+    the *local* (not yet all-reduced) gradients. Replicas that disagree
+    either apply an infinite update (MirroredStrategy takes replica 0's
+    verdict) or hang (MultiWorkerMirroredStrategy branches around the
+    all-reduce). One scalar all-reduce makes the verdict global.
+    """
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return gradients
+    local_ok = optimizer.check_finite(gradients)
+    bad = context.all_reduce("SUM", tf.cast(tf.logical_not(local_ok), tf.float32))
+    poison = tf.where(bad > 0.0, float("nan"), 1.0)
+
+    def apply(g):
+        if g is None:
+            return None
+        if isinstance(g, tf.IndexedSlices):
+            return tf.IndexedSlices(
+                g.values * tf.cast(poison, g.values.dtype), g.indices, g.dense_shape
+            )
+        return g * tf.cast(poison, g.dtype)
+
+    return [apply(g) for g in gradients]

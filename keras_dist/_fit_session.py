@@ -1,0 +1,215 @@
+"""The contract between one `DistributedModel.fit` call and its callbacks.
+
+`DistributedModel.fit` makes one `FitSession` per call and hands it to every
+callback that defines `setup_fit(session)` (the one setup hook; Keras' own
+callbacks do not define it and are left alone). Through the session a
+callback reads what `fit` knows and Keras' callback API does not carry (the
+global batch size, the number of samples, the data cursor, the shuffle
+seed), contributes to the run (the backup to resume from, a wrapper around
+the train step) and registers its clean-up. The model never looks for
+callbacks by type and callbacks never read private attributes of the model.
+
+The model's `train_function` is also owned here: it is composed by
+`DistributedModel.make_train_function` from the train step and the
+session's step wrappers, and everything else that must change it (a
+callback that rescales the learning rate, a resumed run that skips the
+batches already trained) goes through `invalidate_train_function` or
+`TrainFunctionOverride`, for a plain `keras.Model` as well.
+
+See docs/architecture.md for the data flow of one `fit` call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import tensorflow as tf
+
+from keras_dist import _data
+
+SETUP_HOOK = "setup_fit"
+
+
+@dataclasses.dataclass(eq=False)
+class StepWrapper:
+    """A change to the train step, registered by a callback.
+
+    Attributes:
+        owner: The callback that registered it (its identity keys the
+            compiled function: a different owner means a retrace).
+        wrap: `step -> step`, applied to the replica step function.
+        before_input: Optional; called in cross-replica context before each
+            step reads its input; returns tensors the read waits for.
+        gradient_monitor: Optional; handed to the built-in train step, which
+            records the replica's compute time and gradient norm in it.
+    """
+
+    owner: Any
+    wrap: Callable
+    before_input: Callable | None = None
+    gradient_monitor: Any = None
+
+
+class FitSession:
+    """What one `fit` call shares with the callbacks that need it.
+
+    Set by `fit` before Keras builds the callback list (read-only for
+    callbacks unless said otherwise):
+
+    - `model`, `strategy`, `callbacks` (the list given to `fit`),
+      `custom_train_step` (the model overrides `train_step`).
+    - `resumed`: the state of the backup this run resumes from, or None;
+      written by the callback that restores (`BackupAndRestore`) during
+      `setup_fit`, read by `fit` for the shuffle seed.
+    - `cursor` (`_data.DataCursor`): which pass over the training input is
+      current and how far it is consumed; `seed`: the agreed shuffle seed.
+    - `num_samples`, `batch_size` (global), `steps_per_epoch`, `dataset`
+      (the training input, when it is a `tf.data.Dataset`).
+    - `even_batches`: every batch splits evenly over the replicas.
+    """
+
+    def __init__(
+        self,
+        model,
+        strategy: tf.distribute.Strategy,
+        callbacks,
+        *,
+        custom_train_step: bool = False,
+    ) -> None:
+        self.model = model
+        self.custom_train_step = custom_train_step
+        self.strategy = strategy
+        self.callbacks = list(callbacks or [])
+        self.resumed: dict | None = None
+        self.cursor = _data.DataCursor("unknown", persistent=False)
+        self.seed: int | None = None
+        self.num_samples: int | None = None
+        self.batch_size: int | None = None
+        self.steps_per_epoch: int | None = None
+        self.dataset: tf.data.Dataset | None = None
+        self.even_batches = False
+        self.step_wrappers: list[StepWrapper] = []
+        self._roles: dict[str, Any] = {}
+        self._teardowns: list[Callable[[], None]] = []
+
+    # -- for callbacks ------------------------------------------------------
+
+    def claim(self, role: str, callback) -> None:
+        """Makes `callback` the only one of its kind in this fit.
+
+        Raises:
+            ValueError: when another callback already claimed `role`.
+        """
+        if role in self._roles and self._roles[role] is not callback:
+            count = sum(isinstance(c, type(callback)) for c in self.callbacks)
+            raise ValueError(
+                f"Argument `callbacks` holds more than one {type(callback).__name__}. "
+                f"Received: {count} of them. Pass a single one."
+            )
+        self._roles[role] = callback
+
+    def wrap_train_step(
+        self,
+        owner,
+        wrap: Callable,
+        *,
+        before_input: Callable | None = None,
+        gradient_monitor=None,
+    ) -> None:
+        """Registers a wrapper around the replica train step for this fit."""
+        self.step_wrappers.append(
+            StepWrapper(owner, wrap, before_input, gradient_monitor)
+        )
+
+    def add_teardown(self, function: Callable[[], None]) -> None:
+        """Runs `function` when the fit returns or raises (last added, first run)."""
+        self._teardowns.append(function)
+
+    # -- for DistributedModel.fit --------------------------------------------
+
+    def set_up(self) -> None:
+        """Calls `setup_fit(self)` on every callback that defines it, in order."""
+        for callback in self.callbacks:
+            hook = getattr(callback, SETUP_HOOK, None)
+            if callable(hook):
+                hook(self)
+
+    def tear_down(self) -> None:
+        """Runs every registered clean-up, even when one of them raises."""
+        error = None
+        while self._teardowns:
+            try:
+                self._teardowns.pop()()
+            except Exception as e:  # re-raised below, after the others ran
+                error = error or e
+        if error is not None:
+            raise error
+
+    def step_key(self) -> tuple:
+        """Identifies the composition: the train function is rebuilt when it changes."""
+        return (
+            self.even_batches,
+            tuple(
+                (id(w.owner), id(w.gradient_monitor), w.before_input is not None)
+                for w in self.step_wrappers
+            ),
+        )
+
+    def gradient_monitor(self):
+        for wrapper in self.step_wrappers:
+            if wrapper.gradient_monitor is not None:
+                return wrapper.gradient_monitor
+        return None
+
+    def compose(self, step: Callable) -> tuple[Callable, Callable | None]:
+        """The step with every wrapper applied, and the combined input hook."""
+        hooks = []
+        for wrapper in self.step_wrappers:
+            step = wrapper.wrap(step)
+            if wrapper.before_input is not None:
+                hooks.append(wrapper.before_input)
+        if not hooks:
+            return step, None
+
+        def before_input():
+            tensors = []
+            for hook in hooks:
+                tensors.extend(hook())
+            return tensors
+
+        return step, before_input
+
+
+# -- the one place that changes a model's train_function -----------------------
+
+
+def invalidate_train_function(model) -> None:
+    """The next `fit` (or `make_train_function`) traces the step again."""
+    model.train_function = None
+
+
+class TrainFunctionOverride:
+    """Puts a function in place of `model.train_function` until `remove()`.
+
+    `make(original)` returns the replacement; it may call `original`. Used
+    by `BackupAndRestore` to skip the batches a resumed run already trained.
+    """
+
+    def __init__(self) -> None:
+        self._model = None
+        self._original = None
+
+    @property
+    def active(self) -> bool:
+        return self._model is not None
+
+    def install(self, model, make: Callable[[Callable], Callable]) -> None:
+        self.remove()
+        self._model, self._original = model, model.train_function
+        model.train_function = make(self._original)
+
+    def remove(self) -> None:
+        if self._model is not None:
+            self._model.train_function = self._original
+            self._model = self._original = None

@@ -1,0 +1,255 @@
+"""keras_dist's own step code: the train, test and predict functions.
+
+`DistributedModel` builds its compiled functions here. They follow Keras'
+TensorFlow trainer (`keras/src/backend/tensorflow/trainer.py`) and fix what
+breaks under distribution (see `_keras_compat` for each Keras bug); every
+private Keras symbol they need is reached through `_keras_compat`.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import keras
+import tensorflow as tf
+
+from keras_dist import _collectives
+from keras_dist import _keras_compat
+from keras_dist import _liveness
+
+
+def make_function(model, step_function, before_input=None):
+    """Builds a train/test function; a replacement for `_make_function`.
+
+    `before_input`, if given, is called in cross-replica context before each
+    step reads its input and returns tensors that the read waits for.
+    """
+    strategy = model.distribute_strategy
+
+    def next_input(iterator, get):
+        if before_input is None:
+            return get(iterator)
+        with tf.control_dependencies(before_input()):
+            return get(iterator)
+    steps_per_execution = int(model.steps_per_execution)
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        outputs = strategy.run(step_function, args=(data,))
+        return _keras_compat.reduce_per_replica(outputs, strategy, "auto")
+
+    # Inside the multi-step loop the step is inlined: a nested tf.function
+    # called from a loop branch under MirroredStrategy loses its captured
+    # inputs ("You must feed a value for placeholder tensor").
+    inline_step = _keras_compat.autoconvert_optionals(model, one_step_on_data)
+    if not model.run_eagerly:
+        one_step_on_data = tf.function(
+            one_step_on_data,
+            reduce_retracing=True,
+            jit_compile=model.jit_compile,
+        )
+    one_step_on_data = _keras_compat.autoconvert_optionals(model, one_step_on_data)
+
+    def multi_step_on_iterator(iterator):
+        # Fix 3: the first step raises OutOfRangeError at the end of the data
+        # (Keras turns it into StopIteration); later steps stop quietly.
+        outputs = inline_step(next_input(iterator, next))
+        for _ in tf.range(steps_per_execution - 1):
+            optional = next_input(iterator, _get_next_as_optional)
+            if not optional.has_value():
+                break
+            outputs = inline_step(optional.get_value())
+        return outputs
+
+    if steps_per_execution == 1:
+
+        def multi_step_on_iterator(iterator):
+            return one_step_on_data(next_input(iterator, next))
+
+    if not model.run_eagerly:
+        multi_step_on_iterator = tf.function(
+            multi_step_on_iterator, reduce_retracing=True
+        )
+
+    def function(iterator):
+        _liveness.step_begins()  # for the launcher's hang detection
+        try:
+            if isinstance(
+                iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
+            ):
+                return multi_step_on_iterator(iterator)
+            outputs = None
+            for _, data in zip(range(steps_per_execution), iterator):
+                outputs = one_step_on_data(data)
+            return outputs
+        finally:
+            _liveness.step()
+
+    return function
+
+
+def _get_next_as_optional(iterator):
+    return iterator.get_next_as_optional()
+
+
+
+
+def train_step(model, data, *, even_batches: bool = False, gradient_monitor=None):
+    """Keras' TF `train_step`, exact for uneven splits across replicas.
+
+    Keras scales each replica's mean loss by 1/N. When a batch is split
+    unevenly (the last, partial batch of an epoch), that is not the global
+    mean: replica r's loss is rescaled by n_r * N / n, so the summed gradient
+    equals the gradient one device computes on the whole batch.
+    """
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    factor = None
+    strategy = tf.distribute.get_strategy()
+    context = tf.distribute.get_replica_context()
+    # Skipped (no collective) when the run's batches all split evenly.
+    if (
+        strategy.num_replicas_in_sync > 1
+        and context is not None
+        and not even_batches
+    ):
+        local = tf.cast(
+            tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0],
+            tf.float32,
+        )
+        total = context.all_reduce("SUM", local)
+        factor = tf.math.divide_no_nan(
+            local * float(strategy.num_replicas_in_sync), total
+        )
+    with tf.GradientTape() as tape:
+        if _keras_compat.call_has_training_arg(model):
+            y_pred = model(x, training=True)
+        else:
+            y_pred = model(x)
+        loss = _keras_compat.compute_loss(
+            model, 
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+        )
+        _keras_compat.loss_tracker(model).update_state(
+            _keras_compat.unscale_loss_for_distribution(loss),
+            sample_weight=tf.shape(
+                next(t for t in tf.nest.flatten(x) if t is not None)
+            )[0],
+        )
+        if factor is not None:
+            loss = loss * tf.cast(factor, loss.dtype)
+        if model.optimizer is not None:
+            loss = model.optimizer.scale_loss(loss)
+    if model.trainable_weights:
+        gradients = tape.gradient(loss, model.trainable_weights)
+        if gradient_monitor is not None:
+            _monitor_gradients(gradient_monitor, model, gradients, factor)
+        if context is not None and strategy.num_replicas_in_sync > 1:
+            gradients = _collectives.agree_on_finite(model.optimizer, gradients, context)
+        model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
+    else:
+        warnings.warn("The model does not have any trainable weights.")
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _monitor_gradients(monitor, model, gradients, factor) -> None:
+    """Hands `PerReplicaMetrics` the local compute end time and gradient norm."""
+    present = [g for g in gradients if g is not None]
+    if monitor.multi_worker:
+        with tf.control_dependencies(present):
+            monitor.trace_values["compute_done"] = tf.timestamp()
+    if not monitor.gradient_norm:
+        return
+    # The gradients are of the replica's mean loss times 1/N (Keras'
+    # distribution scaling), the uneven-batch factor and the loss scale.
+    scale = tf.cast(model.optimizer.scale_loss(tf.ones([])), tf.float32)
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if replicas > 1:
+        scale = scale / float(replicas)
+    if factor is not None:
+        scale = scale * tf.cast(factor, tf.float32)
+    norm = tf.linalg.global_norm([tf.cast(g, tf.float32) for g in present])
+    monitor.trace_values["grad_norm"] = tf.math.divide_no_nan(norm, scale)
+
+
+
+
+_GATHER_UNSUPPORTED = (tf.bfloat16, tf.float16)
+
+
+def make_predict_function(model):
+    """Keras' predict function, with outputs that can be gathered (fix 4).
+
+    Under `MultiWorkerMirroredStrategy` predictions are concatenated with a
+    collective gather, which rejects bfloat16 and float16 (mixed precision).
+    Such outputs are gathered as float32; `predict` casts them back.
+    """
+    strategy = model.distribute_strategy
+    upcast = _collectives.is_multi_worker(strategy)
+    # A plain holder (Keras would wrap a dict set on the model for tracking).
+    dtypes = types.SimpleNamespace(outputs=None)
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        outputs = model.predict_step(data)
+        if not upcast:
+            return outputs
+        dtypes.outputs = tf.nest.map_structure(lambda t: t.dtype, outputs)
+        return tf.nest.map_structure(
+            lambda t: tf.cast(t, tf.float32)
+            if t.dtype in _GATHER_UNSUPPORTED
+            else t,
+            outputs,
+        )
+
+    if not model.run_eagerly and model.jit_compile:
+        one_step_on_data = tf.function(
+            one_step_on_data, reduce_retracing=True, jit_compile=True
+        )
+    one_step_on_data = _keras_compat.autoconvert_optionals(model, one_step_on_data)
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data_distributed(data):
+        outputs = strategy.run(one_step_on_data, args=(data[0],))
+        return _keras_compat.reduce_per_replica(outputs, strategy, "concat")
+
+    @tf.autograph.experimental.do_not_convert
+    def multi_step_on_data(data):
+        outputs = one_step_on_data_distributed(data[:1])
+        for single_step_data in data[1:]:
+            step_outputs = one_step_on_data_distributed([single_step_data])
+            outputs = tf.nest.map_structure(
+                lambda t1, t2: _keras_compat.concat([t1, t2]),
+                outputs,
+                step_outputs,
+            )
+        return outputs
+
+    if model.steps_per_execution > 1:
+        predict_function = multi_step_on_data
+    else:
+        predict_function = one_step_on_data_distributed
+    if not model.run_eagerly:
+        predict_function = tf.function(predict_function, reduce_retracing=True)
+
+    def counted(data):
+        _liveness.step_begins()  # for the launcher's hang detection
+        try:
+            return predict_function(data)
+        finally:
+            _liveness.step()
+
+    return counted, dtypes
+
+
+def restore_dtypes(outputs, dtypes):
+    """Casts gathered float32 predictions back to the model's output dtypes."""
+    if dtypes.outputs is None:
+        return outputs
+    return tf.nest.map_structure(
+        lambda value, dtype: value.astype(dtype.as_numpy_dtype)
+        if hasattr(value, "astype") and dtype in _GATHER_UNSUPPORTED
+        else value,
+        outputs,
+        dtypes.outputs,
+    )
