@@ -189,6 +189,13 @@ def invalidate_train_function(model) -> None:
     model.train_function = None
 
 
+def reset_compiled_functions(model) -> None:
+    """Drops traced train/test/predict functions (they capture old storage)."""
+    model.train_function = None
+    model.test_function = None
+    model.predict_function = None
+
+
 class TrainFunctionOverride:
     """Puts a function in place of `model.train_function` until `remove()`.
 
@@ -197,19 +204,19 @@ class TrainFunctionOverride:
     """
 
     def __init__(self) -> None:
-        self._model = None
+        self._target = None
         self._original = None
 
     @property
     def active(self) -> bool:
-        return self._model is not None
+        return self._target is not None
 
     def install(self, model, make: Callable[[Callable], Callable]) -> None:
         self.remove()
-        self._model, self._original = model, model.train_function
+        self._target, self._original = model, model.train_function
         model.train_function = make(self._original)
 
     def remove(self) -> None:
-        if self._model is not None:
-            self._model.train_function = self._original
-            self._model = self._original = None
+        if self._target is not None:
+            self._target.train_function = self._original
+            self._target = self._original = None

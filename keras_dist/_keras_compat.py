@@ -120,6 +120,81 @@ def reduce_per_replica(values, strategy, reduction: str):
     return keras_tf_trainer.reduce_per_replica(values, strategy, reduction)
 
 
+# -- TensorFlow runtime and strategies ---------------------------------------
+
+
+def eager_runtime_started() -> bool:
+    """Whether TensorFlow's eager runtime exists (collectives are fixed then)."""
+    from tensorflow.python.eager import context
+
+    return context.context()._context_handle is not None
+
+
+def configure_collectives(cluster_spec, task_type: str, task_id: int) -> bool:
+    """What `MultiWorkerMirroredStrategy.__init__` configures, done early.
+
+    The values are the ones `_initialize_multi_worker` passes
+    (`tensorflow/python/distribute/collective_all_reduce_strategy.py`), so
+    the strategy's own call finds them already set. Returns False when the
+    cluster spec is unusable (the strategy's creation reports it).
+    """
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.distribute.collective_all_reduce_strategy import (
+        coordination_config_pb2,
+    )
+    from tensorflow.python.eager import context
+
+    try:
+        spec = multi_worker_util.normalize_cluster_spec(cluster_spec)
+    except (ValueError, RuntimeError, KeyError):
+        return False
+    ctx = context.context()
+    ctx.configure_collective_ops(
+        collective_leader=multi_worker_util.collective_leader(
+            spec, task_type, task_id
+        ),
+        scoped_allocator_enabled_ops=("CollectiveReduce",),
+        device_filters=(f"/job:{task_type}/task:{task_id}",),
+    )
+    if ctx.coordination_service is None and task_type in ("chief", "worker"):
+        ctx.configure_coordination_service(
+            service_type="standalone",
+            service_leader=multi_worker_util.coordination_leader(spec),
+            coordinated_jobs=[
+                coordination_config_pb2.CoordinatedJob(
+                    name=job, num_tasks=spec.num_tasks(job)
+                )
+                for job in ("chief", "worker")
+                if job in spec.jobs
+            ],
+        )
+    return True
+
+
+def mirrored_strategy(devices, collective_key_base: int) -> tf.distribute.Strategy:
+    """A MirroredStrategy whose collective keys start at `collective_key_base`.
+
+    TF starts the collective group keys of every MirroredStrategy at 1, so
+    two strategies over different device sets collide in one process.
+    """
+    strategy = tf.distribute.MirroredStrategy.__new__(tf.distribute.MirroredStrategy)
+    strategy._collective_key_base = collective_key_base
+    strategy.__init__(devices=list(devices))
+    return strategy
+
+
+def set_model_strategy(model, strategy) -> None:
+    """The strategy Keras' trainer runs the model's steps on (None: default)."""
+    model._distribute_strategy = strategy
+
+
+def attention_projections(layer) -> dict:
+    """A MultiHeadAttention layer's query/key/value/output EinsumDense layers."""
+    names = {"query": "_query_dense", "key": "_key_dense",
+             "value": "_value_dense", "output": "_output_dense"}
+    return {k: getattr(layer, v, None) for k, v in names.items()}
+
+
 # -- accessors for keras_dist's step code (`_steps.py`) ------------------------
 
 
@@ -344,13 +419,6 @@ def set_optimizer_strategy(optimizer, strategy) -> None:
             o._distribution_strategy = strategy
 
 
-def reset_compiled_functions(model) -> None:
-    """Drops traced train/test/predict functions (they capture old storage)."""
-    model.train_function = None
-    model.test_function = None
-    model.predict_function = None
-
-
 def restore_unreadable(variables, values) -> None:
     """Re-creates, outside any strategy, storage that became unreadable.
 
@@ -400,3 +468,76 @@ def rekey_optimizers(saved: list) -> None:
         if excluded:
             o._exclude_from_weight_decay = {mapping.get(k, k) for k in excluded}
         o._exclude_from_weight_decay_cache = {}
+
+
+# -- what the tests pin ---------------------------------------------------------
+
+OVERRIDDEN = {
+    "_maybe_symbolic_build": ("keras.Model",),
+}
+"""Private Keras methods keras_dist's classes override (name: owners)."""
+
+INTERNALS = {
+    "keras.Model (compiled)": (
+        "_autoconvert_optionals",
+        "_call_has_training_arg",
+        "_compute_loss",
+        "_distribute_strategy",
+        "_flatten_layers",
+        "_loss_tracker",
+        "_symbolic_build",
+    ),
+    "keras.optimizers.Optimizer (built)": (
+        "_distribution_strategy",
+        "_learning_rate",
+        "_trainable_variables",
+        "_trainable_variables_indices",
+        "_var_key",
+    ),
+    "keras.src.optimizers.base_optimizer.BaseOptimizer (source)": (
+        "_exclude_from_weight_decay",
+        "_exclude_from_weight_decay_cache",
+    ),
+    "keras.Variable": ("_initialize", "_value"),
+    "keras.layers.MultiHeadAttention (built)": (
+        "_key_dense",
+        "_output_dense",
+        "_query_dense",
+        "_value_dense",
+    ),
+    "keras.src.backend.tensorflow.trainer": (
+        "TFEpochIterator",
+        "concat",
+        "reduce_per_replica",
+    ),
+    "keras.src.backend.tensorflow.trainer.TensorFlowTrainer.fit (source)": (
+        "_initial_epoch",
+    ),
+    "keras.src.backend.tensorflow.trainer.TFEpochIterator (source)": (
+        "_distributed_dataset",
+    ),
+    "keras.src.losses.loss": ("unscale_loss_for_distribution",),
+    "keras.src.backend.common.global_state": ("get_global_attribute",),
+    "keras.src.saving.object_registration": ("GLOBAL_CUSTOM_NAMES",),
+    "keras.src.models.functional": ("Functional",),
+    "keras.src.models.model": ("functional_init_arguments",),
+    "tensorflow.python.distribute.values.PerReplicaSpec (source)": ("_value_specs",),
+    "tensorflow.python.distribute.mirrored_strategy (source)": ("_collective_key_base",),
+    "tensorflow.python.distribute.collective_all_reduce_strategy.CollectiveAllReduceExtended": (
+        "_in_multi_worker_mode",
+    ),
+    "tensorflow.python.eager.context.Context (source)": (
+        "_context_handle",
+        "configure_collective_ops",
+        "configure_coordination_service",
+    ),
+    "tensorflow.python.distribute.multi_worker_util": (
+        "collective_leader",
+        "coordination_leader",
+        "normalize_cluster_spec",
+    ),
+}
+"""Every private Keras/TF symbol used above, by owner, for the test that pins
+them: a dotted path (module or class), a path with " (source)" (the names
+occur in its source: attributes Keras sets and reads itself) or a built
+object described in the test."""

@@ -55,42 +55,21 @@ def configure_collectives() -> bool:
     if os.environ.get(_DISABLE) or not is_multi_worker_task():
         return False
     import tensorflow as tf
-    from tensorflow.python.distribute import multi_worker_util
-    from tensorflow.python.distribute.collective_all_reduce_strategy import (
-        coordination_config_pb2,
-    )
-    from tensorflow.python.eager import context
 
-    ctx = context.context()
-    if ctx._context_handle is not None:  # runtime already started
+    from keras_dist import _keras_compat
+
+    if _keras_compat.eager_runtime_started():
         return False
     try:
         if _tf_config.parse_tf_config() is not None:
             resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
         else:
             resolver = tf.distribute.cluster_resolver.SlurmClusterResolver()
-        spec = multi_worker_util.normalize_cluster_spec(resolver.cluster_spec())
+        spec = resolver.cluster_spec()
         task_type, task_id = resolver.task_type, int(resolver.task_id)
     except (ValueError, RuntimeError, OSError, KeyError):
         return False  # left to the strategy's creation, which names the problem
-    ctx.configure_collective_ops(
-        collective_leader=multi_worker_util.collective_leader(
-            spec, task_type, task_id
-        ),
-        scoped_allocator_enabled_ops=("CollectiveReduce",),
-        device_filters=(f"/job:{task_type}/task:{task_id}",),
-    )
-    if ctx.coordination_service is None and task_type in ("chief", "worker"):
-        ctx.configure_coordination_service(
-            service_type="standalone",
-            service_leader=multi_worker_util.coordination_leader(spec),
-            coordinated_jobs=[
-                coordination_config_pb2.CoordinatedJob(
-                    name=job, num_tasks=spec.num_tasks(job)
-                )
-                for job in ("chief", "worker")
-                if job in spec.jobs
-            ],
-        )
+    if not _keras_compat.configure_collectives(spec, task_type, task_id):
+        return False
     configured = True
     return True

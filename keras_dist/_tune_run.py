@@ -110,9 +110,7 @@ def _prepare(role: str, in_group: bool) -> None:
         _oracle.serve = _report_trials(_oracle.serve)
     else:
         kt.BaseTuner.__init__ = _prepare_worker(kt.BaseTuner.__init__, in_group)
-        kt.BaseTuner._try_run_and_update_trial = _active_in_trials(
-            kt.BaseTuner._try_run_and_update_trial
-        )
+        kt.wrap_trial_runs(_active_in_trials)
 
 
 def _active_in_trials(run):

@@ -164,7 +164,7 @@ class DistributedModel(keras.Model):
         with _scope(resolved):
             super().__init__(*args, **kwargs)
         self._kd_sync_batch_norm = sync_batch_norm
-        self._distribute_strategy = None if is_default(resolved) else resolved
+        _keras_compat.set_model_strategy(self, None if is_default(resolved) else resolved)
 
     # -- strategy-aware plumbing -------------------------------------------
 
@@ -814,11 +814,11 @@ def distribute(
     model.__class__ = _distributed_class(type(model))
     object.__setattr__(model, "_kd_strategy", resolved)
     model._kd_sync_batch_norm = sync_batch_norm
-    model._distribute_strategy = None if is_default(resolved) else resolved
+    _keras_compat.set_model_strategy(model, None if is_default(resolved) else resolved)
     _wrap_build(model)
     _keras_compat.move_onto(
         resolved, variables, optimizer=getattr(model, "optimizer", None), values=values
     )
-    _keras_compat.reset_compiled_functions(model)
+    _fit_session.reset_compiled_functions(model)
     model._kd_prepare_layers()
     return model

@@ -19,6 +19,7 @@ from typing import Literal, Union
 
 import tensorflow as tf
 
+from keras_dist import _keras_compat
 from keras_dist import _tf_config
 from keras_dist import _liveness
 from keras_dist._cluster_spec import LAUNCHED_ENV
@@ -223,12 +224,7 @@ def _mirrored(devices: tuple[str, ...]) -> tf.distribute.Strategy:
         base = _mirrored_key_bases.setdefault(
             devices, _KEY_STRIDE * (len(_mirrored_key_bases) + 1)
         )
-        strategy = tf.distribute.MirroredStrategy.__new__(
-            tf.distribute.MirroredStrategy
-        )
-        strategy._collective_key_base = base
-        strategy.__init__(devices=list(devices))
-        _cache[key] = strategy
+        _cache[key] = _keras_compat.mirrored_strategy(devices, base)
     return _cache[key]
 
 

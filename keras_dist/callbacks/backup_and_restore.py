@@ -399,7 +399,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
 
     def _warn_changes(self, saved: dict) -> None:
-        current = self._fit_signature()
+        current = self._fit_arguments()
         changes = [
             f"{key} {saved[key]} -> {current[key]}"
             for key in sorted(current)
@@ -415,7 +415,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 + "); the resumed run will not match an uninterrupted one.",
             )
 
-    def _fit_signature(self) -> dict:
+    def _fit_arguments(self) -> dict:
         context = self._context
         return {
             "epochs": self.params.get("epochs"),
@@ -612,7 +612,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "sequence": sequence,
                 "position": self._position(),
                 "data": {"seed": getattr(self._cursor, "seed", None)},
-                "fit": self._fit_signature(),
+                "fit": self._fit_arguments(),
                 "variables": {k: self._describe(v) for k, v in groups.items()},
                 "callbacks": callbacks,
                 "time": time.time(),

@@ -321,7 +321,7 @@ class PerReplicaMetrics(keras.callbacks.Callback):
         # several workers it reads the timings every `straggler_steps` steps,
         # in step with the training loop (set in `setup_fit`).
         self.async_safe = True
-        self._lock = threading.Lock()
+        self._bookkeeping_lock = threading.Lock()
 
     def __deepcopy__(self, memo):
         # keras-tuner copies the callbacks of every trial: the copy gets the
@@ -330,7 +330,7 @@ class PerReplicaMetrics(keras.callbacks.Callback):
         copied = self.__class__.__new__(self.__class__)
         memo[id(self)] = copied
         for key, value in self.__dict__.items():
-            if key == "_lock":
+            if key == "_bookkeeping_lock":
                 value = threading.Lock()
             elif key == "_monitors":
                 value = {}
@@ -415,7 +415,7 @@ class PerReplicaMetrics(keras.callbacks.Callback):
         run["epoch_window"] = _Window(time.perf_counter(), run["monitor"].read()[1])
 
     def on_train_batch_end(self, batch, logs=None):
-        with self._lock:
+        with self._bookkeeping_lock:
             self._on_train_batch_end()
 
     def _on_train_batch_end(self):

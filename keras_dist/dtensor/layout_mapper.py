@@ -11,6 +11,8 @@ from typing import Literal
 import keras
 import numpy as np
 
+from keras_dist import _keras_compat
+
 Axes = tuple  # of mesh axis names or None, one per variable dimension
 
 
@@ -261,14 +263,15 @@ class LayoutMapper:
         heads = layer.num_heads
         if heads % n:
             return  # heads do not split over the axis: replicated
+        projections = _keras_compat.attention_projections(layer)
         for name in ("query", "key", "value"):
-            dense = getattr(layer, f"_{name}_dense", None)
+            dense = projections.get(name)
             if dense is None:
                 continue
             layouts[dense.kernel.path] = (None, axis, None)
             if getattr(dense, "bias", None) is not None:
                 layouts[dense.bias.path] = (axis, None)
-        output = getattr(layer, "_output_dense", None)
+        output = projections.get("output")
         if output is not None:
             layouts[output.kernel.path] = (axis,) + (None,) * (len(output.kernel.shape) - 1)
 
@@ -305,9 +308,9 @@ class LayoutMapper:
 
 
 def _layers(model):
-    return [model] if not hasattr(model, "_flatten_layers") else list(
-        model._flatten_layers(include_self=False, recursive=True)
-    )
+    if not isinstance(model, keras.layers.Layer):
+        return [model]
+    return list(_keras_compat.iter_sublayers(model))
 
 
 def _variables(model) -> dict:

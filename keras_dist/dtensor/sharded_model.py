@@ -123,7 +123,7 @@ class ShardedModel:
             )
             self.model.optimizer.build(self.model.trainable_variables)
         self._source = model
-        self._compile_config = model.get_compile_config()
+        self._compile_arguments = model.get_compile_config()
         self._copy_from(model)
         self._train_step = None
         self._predict_step = None
@@ -430,7 +430,7 @@ class ShardedModel:
     def _plain_copy(self) -> keras.Model:
         """An unsharded, compiled copy of the source model (its own weights)."""
         host = keras.models.clone_model(self._source)
-        host.compile(**keras.saving.deserialize_keras_object(self._compile_config))
+        host.compile(**keras.saving.deserialize_keras_object(self._compile_arguments))
         return host
 
     def _host_metrics(self) -> keras.Model:

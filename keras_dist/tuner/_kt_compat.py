@@ -35,6 +35,53 @@ def has_chief_oracle() -> bool:
     return _distribute_utils.has_chief_oracle()
 
 
+def run_trial(tuner, trial, *fit_args, **fit_kwargs):
+    """`BaseTuner._try_run_and_update_trial`: one trial, its status recorded."""
+    return tuner._try_run_and_update_trial(trial, *fit_args, **fit_kwargs)
+
+
+def wrap_trial_runs(wrap) -> None:
+    """Wraps `BaseTuner._try_run_and_update_trial` for every tuner (`keras-dist tune`)."""
+    BaseTuner._try_run_and_update_trial = wrap(BaseTuner._try_run_and_update_trial)
+
+
+def build_hypermodel(tuner, hp):
+    """keras-tuner's `Tuner._build_hypermodel` (builds, and wraps in its scope)."""
+    from keras_tuner import Tuner
+
+    return Tuner._build_hypermodel(tuner, hp)
+
+
+def build_config_path(tuner, trial_id: str) -> str:
+    return tuner._get_build_config_fname(trial_id)
+
+
+def checkpoint_path(tuner, trial_id: str) -> str:
+    return tuner._get_checkpoint_fname(trial_id)
+
+
+def tensorboard_dir(tuner, log_dir: str, trial_id: str, execution: int) -> str:
+    return tuner._get_tensorboard_dir(log_dir, trial_id, execution)
+
+
+def retry_queue(oracle) -> list:
+    """The ids of failed trials an oracle will hand out again (mutable)."""
+    return oracle._retry_queue
+
+
+def oracle_stub(client):
+    """The gRPC stub inside keras-tuner's `OracleClient`."""
+    return client._oracle
+
+
+OVERRIDDEN = {
+    "_build_hypermodel": ("keras_tuner.Tuner",),
+    "_configure_tensorboard_dir": ("keras_tuner.Tuner",),
+    "_populate_initial_space": ("keras_tuner.engine.base_tuner.BaseTuner",),
+    "_try_build": ("keras_tuner.Tuner",),
+}
+"""Private keras-tuner methods keras_dist's tuners override (name: owners)."""
+
 INTERNALS = {
     "keras_tuner.src.protos": ("get_service", "get_service_grpc"),
     "keras_tuner.src.distribute.oracle_chief": ("OracleServicer", "start_server"),

@@ -99,7 +99,7 @@ def _should_wait(oracle, tuner_id: str) -> bool:
     retry: with nobody left to run it, the retry would be lost. Tuners wait
     (an IDLE trial) until no running trial can come back.
     """
-    if tuner_id in oracle.ongoing_trials or oracle._retry_queue:
+    if tuner_id in oracle.ongoing_trials or kt.retry_queue(oracle):
         return False
     if not oracle.max_trials or len(oracle.trials) < oracle.max_trials:
         return False
@@ -117,8 +117,9 @@ def _known_tuners(oracle) -> set:
 def _forget_retry(oracle, trial_id) -> None:
     # A worker that outlived a chief restart ends a trial that the reloaded
     # chief had queued for a retry: it is done, do not run it again.
-    while trial_id in oracle._retry_queue:
-        oracle._retry_queue.remove(trial_id)
+    queue = kt.retry_queue(oracle)
+    while trial_id in queue:
+        queue.remove(trial_id)
 
 
 @synchronized

@@ -119,27 +119,27 @@ class DistributedTuner:
                 f"never given up. Received: worker_timeout={worker_timeout!r}, "
                 f"heartbeat_interval={heartbeat_interval!r}"
             )
-        self._kd_timeouts = (
+        self._client_timeouts = (
             float(connect_timeout),
             float(call_timeout),
             float(heartbeat_interval),
         )
-        self._kd_worker_timeout = float(worker_timeout)
+        self._tuner_worker_timeout = float(worker_timeout)
         # The chief only serves the oracle: it does not touch devices.
         chief = kt.is_chief_oracle()
-        self._kd_strategy = None if chief else resolve_strategy(strategy)
-        info = None if chief else worker_info(self._kd_strategy)
-        self._kd_group = info is not None and info.num_workers > 1
-        self._kd_group_chief = info is None or info.is_chief
-        self._kd_broadcast_fn = None
-        kwargs["distribution_strategy"] = self._kd_strategy
+        self._trial_strategy = None if chief else resolve_strategy(strategy)
+        info = None if chief else worker_info(self._trial_strategy)
+        self._in_trial_group = info is not None and info.num_workers > 1
+        self._is_group_chief = info is None or info.is_chief
+        self._broadcast_function = None
+        kwargs["distribution_strategy"] = self._trial_strategy
         if kt.has_chief_oracle() and not chief:
             worker_overwrite(kwargs)
         super().__init__(*args, **kwargs)
         if isinstance(self.oracle, kt.oracle_client.OracleClient):
-            connect, call, beat = self._kd_timeouts
+            connect, call, beat = self._client_timeouts
             client = _oracle.Client(
-                self.oracle._oracle,
+                kt.oracle_stub(self.oracle),
                 connect_timeout=connect,
                 call_timeout=call,
                 heartbeat_interval=beat,
@@ -151,29 +151,29 @@ class DistributedTuner:
     # -- building ----------------------------------------------------------
 
     def _populate_initial_space(self):
-        with kt.maybe_distribute(self._kd_strategy):
+        with kt.maybe_distribute(self._trial_strategy):
             super()._populate_initial_space()
 
     def _try_build(self, hp):
         from keras_dist.distributed_model import DistributedModel, distribute
 
         model = super()._try_build(hp)
-        if self._kd_strategy is not None and not isinstance(model, DistributedModel):
-            model = distribute(model, self._kd_strategy)
+        if self._trial_strategy is not None and not isinstance(model, DistributedModel):
+            model = distribute(model, self._trial_strategy)
         return model
 
     def load_model(self, trial):
         # keras-tuner's, with the optimizer built first: the checkpoint holds
         # its slots, which Keras otherwise skips with a warning.
         model = self._try_build(trial.hyperparameters)
-        with kt.maybe_distribute(self._kd_strategy):
+        with kt.maybe_distribute(self._trial_strategy):
             if not model.built:
                 model.build_from_config(
-                    kt.load_json(self._get_build_config_fname(trial.trial_id))
+                    kt.load_json(kt.build_config_path(self, trial.trial_id))
                 )
             if model.optimizer is not None and not model.optimizer.built:
                 model.optimizer.build(model.trainable_variables)
-            model.load_weights(self._get_checkpoint_fname(trial.trial_id))
+            model.load_weights(kt.checkpoint_path(self, trial.trial_id))
         return model
 
     def _configure_tensorboard_dir(self, callbacks, trial, execution=0):
@@ -184,8 +184,8 @@ class DistributedTuner:
         # summary (which needs the package).
         for callback in callbacks:
             if callback.__class__.__name__ == "TensorBoard":
-                callback.log_dir = self._get_tensorboard_dir(
-                    callback.log_dir, trial.trial_id, execution
+                callback.log_dir = kt.tensorboard_dir(
+                    self, callback.log_dir, trial.trial_id, execution
                 )
         return None
 
@@ -197,9 +197,9 @@ class DistributedTuner:
             if "verbose" in fit_kwargs:
                 self.oracle.verbose = fit_kwargs["verbose"]
             self.save()
-            _oracle.serve(self.oracle, worker_timeout=self._kd_worker_timeout)
+            _oracle.serve(self.oracle, worker_timeout=self._tuner_worker_timeout)
             return None
-        if not self._kd_group:
+        if not self._in_trial_group:
             return super().search(*fit_args, **fit_kwargs)
         # A multi-worker trial group: one trial at a time, agreed by
         # collective (keras-tuner's loop would let a member that is not the
@@ -207,13 +207,13 @@ class DistributedTuner:
         self.on_search_begin()
         while True:
             self.pre_create_trial()
-            trial = self._kd_agreed_trial()
+            trial = self._agreed_trial()
             if trial.status == kt.TrialStatus.STOPPED:
                 break
             if trial.status == kt.TrialStatus.IDLE:
                 continue
             self.on_trial_begin(trial)
-            self._try_run_and_update_trial(trial, *fit_args, **fit_kwargs)
+            kt.run_trial(self, trial, *fit_args, **fit_kwargs)
             self.on_trial_end(trial)
         self.on_search_end()
         return None
@@ -231,25 +231,25 @@ class DistributedTuner:
     def save(self):
         # Members of a trial group share a tuner id (and a state file): the
         # group's chief writes it.
-        if self._kd_group_chief:
+        if self._is_group_chief:
             super().save()
 
-    def _kd_agreed_trial(self):
-        if self._kd_group_chief:
+    def _agreed_trial(self):
+        if self._is_group_chief:
             trial = self.oracle.create_trial(self.tuner_id)
             code = _encode(trial)
         else:
             trial, code = None, np.zeros([_CODE_LENGTH], np.float32)
-        status, trial_id = _decode(self._kd_broadcast(code))
+        status, trial_id = _decode(self._broadcast_code(code))
         if trial is not None:
             return trial
         if status == kt.TrialStatus.RUNNING:
             return self.oracle.get_trial(trial_id)
         return kt.Trial(kt.HyperParameters(), status=status)
 
-    def _kd_broadcast(self, code):
-        strategy = self._kd_strategy
-        if self._kd_broadcast_fn is None:
+    def _broadcast_code(self, code):
+        strategy = self._trial_strategy
+        if self._broadcast_function is None:
 
             @tf.function
             def broadcast(value):
@@ -262,8 +262,8 @@ class DistributedTuner:
 
                 return strategy.run(replica_fn, args=(value,))
 
-            self._kd_broadcast_fn = broadcast
-        result = self._kd_broadcast_fn(tf.constant(code))
+            self._broadcast_function = broadcast
+        result = self._broadcast_function(tf.constant(code))
         return strategy.experimental_local_results(result)[0].numpy()
 
 

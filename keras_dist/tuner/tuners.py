@@ -67,15 +67,15 @@ class Hyperband(DistributedTuner, keras_tuner.Hyperband):
         # keras-tuner's, except that the model is on the strategy before a
         # continued trial's weights are loaded into it: a subclassed model
         # cannot be built for loading otherwise (keras-tuner fails there).
-        model = keras_tuner.Tuner._build_hypermodel(self, hp)
-        if self._kd_strategy is not None:
-            model = distribute(model, self._kd_strategy)
+        model = _kt_compat.build_hypermodel(self, hp)
+        if self._trial_strategy is not None:
+            model = distribute(model, self._trial_strategy)
         if "tuner/trial_id" in hp.values:
             trial_id = hp.values["tuner/trial_id"]
             model.build_from_config(
-                _kt_compat.load_json(self._get_build_config_fname(trial_id))
+                _kt_compat.load_json(_kt_compat.build_config_path(self, trial_id))
             )
-            model.load_weights(self._get_checkpoint_fname(trial_id))
+            model.load_weights(_kt_compat.checkpoint_path(self, trial_id))
         return model
 
 
