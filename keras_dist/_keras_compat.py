@@ -250,6 +250,19 @@ def iter_sublayers(model):
 # -- BackupAndRestore touch points -------------------------------------------
 
 
+KERAS_CALLBACK_STATE = {
+    keras.callbacks.EarlyStopping: ("wait", "stopped_epoch", "best", "best_epoch"),
+    keras.callbacks.ReduceLROnPlateau: ("wait", "cooldown_counter", "best"),
+    keras.callbacks.ModelCheckpoint: (
+        "best",
+        "_batches_seen_since_last_saving",
+        "_last_batch_seen",
+    ),
+}
+"""The attributes that make up the state of Keras' stateful callbacks, which
+have no `get_state()`: saved in a backup, set again on resume."""
+
+
 def set_initial_epoch(model, epoch: int | None) -> None:
     """Keras' fit reads `model._initial_epoch` after `on_train_begin`."""
     model._initial_epoch = epoch
@@ -499,6 +512,10 @@ INTERNALS = {
         "_exclude_from_weight_decay_cache",
     ),
     "keras.Variable": ("_initialize", "_value"),
+    "keras.callbacks.ModelCheckpoint (built)": (
+        "_batches_seen_since_last_saving",
+        "_last_batch_seen",
+    ),
     "keras.layers.MultiHeadAttention (built)": (
         "_key_dense",
         "_output_dense",

@@ -152,6 +152,14 @@ def test_no_private_framework_attribute_outside_the_compat_modules():
                 continue  # keras_dist's own override (pinned below)
             if name in FRAMEWORK:
                 offenders.append(f"{rel}:{line} {ast.unparse(receiver)}.{name}")
+    for rel, tree in library_modules():
+        if rel in COMPAT:
+            continue
+        offenders += [
+            f"{rel}:{node.lineno} {node.value!r} (a private name as a string)"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value in FRAMEWORK
+        ]
     assert not offenders, (
         "private Keras/TF/keras-tuner attributes outside _keras_compat.py / "
         "tuner/_kt_compat.py (add an accessor there):\n" + "\n".join(offenders)
@@ -184,6 +192,9 @@ def _built_objects():
         "keras.optimizers.Optimizer (built)": optimizer,
         "keras.layers.MultiHeadAttention (built)": attention,
         "keras.Variable": keras.Variable(1.0),
+        "keras.callbacks.ModelCheckpoint (built)": keras.callbacks.ModelCheckpoint(
+            "/tmp/unused.keras"
+        ),
     }
 
 

@@ -34,17 +34,6 @@ _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 
 # Attributes of Keras' stateful callbacks that a resumed run needs. Callbacks
 # that define `get_state()` / `set_state(state)` are saved through those.
-_KERAS_CALLBACK_STATE = {
-    keras.callbacks.EarlyStopping: ("wait", "stopped_epoch", "best", "best_epoch"),
-    keras.callbacks.ReduceLROnPlateau: ("wait", "cooldown_counter", "best"),
-    keras.callbacks.ModelCheckpoint: (
-        "best",
-        "_batches_seen_since_last_saving",
-        "_last_batch_seen",
-    ),
-}
-
-
 class BackupAndRestore(keras.callbacks.Callback):
     """Backs up training so that a killed or preempted job resumes exactly.
 
@@ -222,7 +211,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._signal_event = threading.Event()
         self._previous_handlers = {}
         self._warned = set()
-        self._muted = []
+        self._hooked = []  # (callback, hook name) wrapped for this fit
+        self._deferred = False  # the batch-end save waits for later callbacks
+        self._pending = None  # a save due at this batch: (preempted,)
         self._skip_until = 0
 
     # -- selection and restore ---------------------------------------------
@@ -306,6 +297,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _release(self) -> None:
         """Undoes what a fit that did not reach `on_train_end` left behind."""
         self._unmute_siblings()
+        self._unhook_siblings()
         self._restore_handlers()
         self._skipping.remove()
         self._selected = None
@@ -457,6 +449,55 @@ class BackupAndRestore(keras.callbacks.Callback):
 
         self._skipping.install(self.model, lambda function: _bind(skipping, function))
 
+    def _hook_siblings(self) -> None:
+        """Puts this callback's batch-end work after every other callback's.
+
+        A backup holds the other callbacks' state, so it is written once all
+        of them have seen the batch (Keras calls them in list order, and
+        some are listed after this one). The same wrappers hide the batches
+        a resumed run skips (see `_mute_siblings`). If a callback raises, a
+        backup due at that batch is written before the error propagates.
+        Only the callbacks of a `DistributedModel.fit` are known here.
+        """
+        siblings = [
+            c for c in getattr(self._context, "callbacks", []) if c is not self
+        ]
+        after = self in getattr(self._context, "callbacks", []) and (
+            self._context.callbacks[-1] is not self
+        )
+        last = siblings[-1] if siblings and after else None
+        for callback in siblings:
+            for hook in ("on_train_batch_begin", "on_train_batch_end"):
+                original = getattr(callback, hook)
+                finish = hook == "on_train_batch_end"
+                tail = finish and callback is last
+
+                def hooked(batch, logs=None, _original=original, _finish=finish,
+                           _tail=tail):
+                    if batch < self._skip_until:
+                        return None
+                    if not _finish:
+                        return _original(batch, logs)
+                    try:
+                        result = _original(batch, logs)
+                    except BaseException:
+                        self._finish_batch()
+                        raise
+                    if _tail:
+                        self._finish_batch()
+                    return result
+
+                setattr(callback, hook, hooked)
+                self._hooked.append((callback, hook))
+        self._deferred = last is not None
+
+    def _unhook_siblings(self) -> None:
+        for callback, hook in self._hooked:
+            # The instance attribute shadows the class method; drop it.
+            callback.__dict__.pop(hook, None)
+        self._hooked = []
+        self._deferred = False
+
     def _mute_siblings(self) -> None:
         """Hides the skipped steps from the other callbacks of this fit.
 
@@ -466,27 +507,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         """
         spe = max(1, int(self.model.steps_per_execution or 1))
         self._skip_until = self._skip_calls * spe
-        if not self._skip_until:
-            return
-        for callback in getattr(self._context, "callbacks", []):
-            if callback is self:
-                continue
-            for hook in ("on_train_batch_begin", "on_train_batch_end"):
-                original = getattr(callback, hook)
-
-                def guarded(batch, logs=None, _original=original):
-                    if batch < self._skip_until:
-                        return None
-                    return _original(batch, logs)
-
-                setattr(callback, hook, guarded)
-                self._muted.append((callback, hook))
 
     def _unmute_siblings(self) -> None:
-        for callback, hook in self._muted:
-            # The instance attribute shadows the class method; drop it.
-            callback.__dict__.pop(hook, None)
-        self._muted = []
         self._skip_until = 0
 
     # -- preemption signals --------------------------------------------------
@@ -546,7 +568,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             if callable(getattr(callback, "get_state", None)):
                 states[key] = callback.get_state()
                 continue
-            for kind, names in _KERAS_CALLBACK_STATE.items():
+            for kind, names in _keras_compat.KERAS_CALLBACK_STATE.items():
                 if isinstance(callback, kind):
                     states[key] = {n: _plain(getattr(callback, n, None)) for n in names}
                     weights = getattr(callback, "best_weights", None)
@@ -649,6 +671,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         # Whatever an interrupted earlier fit left (it raised before
         # on_train_end) is undone first.
         self._unmute_siblings()
+        self._unhook_siblings()
         self._restore_handlers()
         self._skipping.remove()
         self._reset_run()
@@ -673,6 +696,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 )
             self._restore(state, chosen)
         self._install_handlers()
+        self._hook_siblings()
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._pending_epoch_save:
@@ -766,7 +790,16 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._strategy, [timed, preempted]
             )
         if by_steps or timed or preempted:
-            self._save()
+            self._pending = (preempted,)
+            if not self._deferred:
+                self._finish_batch()
+
+    def _finish_batch(self) -> None:
+        """Writes the backup due at this batch, once every callback saw it."""
+        if self._pending is None:
+            return
+        (preempted,), self._pending = self._pending, None
+        self._save()
         if preempted:
             self._restore_handlers()
             self._skipping.remove()
@@ -797,6 +830,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._unmute_siblings()
+        self._unhook_siblings()
         self._restore_handlers()
         self._skipping.remove()
         if self.delete_checkpoint:

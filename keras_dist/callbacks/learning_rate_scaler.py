@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from typing import Literal
 
 import keras
@@ -462,6 +463,31 @@ class LearningRateScaler(keras.callbacks.Callback):
         self._installed = None
         # The next fit traces again, with or without a scaler.
         _fit_session.invalidate_train_function(self.model)
+
+    # -- state for BackupAndRestore ------------------------------------------
+
+    def get_state(self) -> dict:
+        """The scaling in effect (saved by `BackupAndRestore`).
+
+        The warmup's position needs no state: it is read from the
+        optimizer's step counter, which the backup restores.
+        """
+        return {"factor": self.factor, "warmup_steps": self.warmup_total_steps}
+
+    def set_state(self, state: dict) -> None:
+        """Warns when the resumed run scales differently from the backed-up one."""
+        saved = state.get("factor")
+        if saved is None or self.factor is None:
+            return
+        if not math.isclose(float(saved), self.factor, rel_tol=1e-9):
+            warnings.warn(
+                "LearningRateScaler: the backed-up run scaled the learning "
+                f"rate by {float(saved):g}, this run by {self.factor:g} (the "
+                "number of replicas or the global batch changed). Training "
+                "continues with the new factor; to continue with the old "
+                f"one, pass base_batch_size so that the factor is {float(saved):g}.",
+                stacklevel=2,
+            )
 
     def current_learning_rate(self) -> float:
         """The learning rate in effect now (scaled), as a float."""

@@ -334,8 +334,8 @@ class PerReplicaMetrics(keras.callbacks.Callback):
                 value = threading.Lock()
             elif key == "_monitors":
                 value = {}
-            elif key in ("_run", "_model", "_monitor"):
-                value = None
+            elif key in ("_run", "_monitor") or isinstance(value, keras.Model):
+                value = None  # per run; the model (Keras' own reference)
             else:
                 value = copy.deepcopy(value, memo)
             copied.__dict__[key] = value
@@ -408,6 +408,45 @@ class PerReplicaMetrics(keras.callbacks.Callback):
         }
         if info.is_chief and self.log_dir:
             self._run["writer"] = tf.summary.create_file_writer(self.log_dir)
+
+    # -- state for BackupAndRestore ------------------------------------------
+
+    def get_state(self) -> dict:
+        """What a resumed run continues from (saved by `BackupAndRestore`).
+
+        The number of steps counted (the CSV's and TensorBoard's step axis
+        continues from it) and the CSV's columns (a resumed run appends to
+        the file instead of starting it again).
+        """
+        run = self._run or {}
+        return {"steps": int(run.get("steps", 0)), "csv_columns": run.get("csv")}
+
+    def set_state(self, state: dict) -> None:
+        """Continues the step count of a backed-up run (during `fit` only).
+
+        Rows the interrupted run wrote after its backup are dropped from the
+        CSV: the resumed run writes them again.
+        """
+        run = self._run
+        if run is None:
+            return
+        run["steps"] = int(state.get("steps", 0))
+        run["written"] = run["steps"]  # its row, if due, is in the CSV
+        columns = state.get("csv_columns")
+        if not columns or not self.csv_path or not run["chief"]:
+            return
+        run["csv"] = list(columns)
+        if os.path.exists(self.csv_path):
+            with open(self.csv_path, newline="") as f:
+                rows = list(csv.reader(f))
+            kept = rows[:1] + [
+                row for row in rows[1:] if row and int(row[1]) <= run["steps"]
+            ]
+            with open(self.csv_path, "w", newline="") as f:
+                csv.writer(f).writerows(kept)
+        else:
+            with open(self.csv_path, "w", newline="") as f:
+                csv.writer(f).writerow(["epoch", "step", *run["csv"]])
 
     def on_epoch_begin(self, epoch, logs=None):
         run = self._run

@@ -266,7 +266,9 @@ def test_backups_are_atomic_and_bounded(tmp_path):
     seen = []
 
     class Watch(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
+        # A backup due at a batch is written after every callback's
+        # on_train_batch_end: look when the next batch begins.
+        def on_train_batch_begin(self, batch, logs=None):
             names = os.listdir(backup_dir)
             seen.append(len(committed(backup_dir)))
             assert not [n for n in names if n.startswith(store.TMP_PREFIX)]
@@ -280,7 +282,7 @@ def test_backups_are_atomic_and_bounded(tmp_path):
     model.fit(**fit_args("numpy"), epochs=2, verbose=0, callbacks=[
         BackupAndRestore(backup_dir, save_freq=1, delete_checkpoint=False,
                          max_to_keep=3), Watch()])
-    assert max(seen) == 3 and seen[:3] == [1, 2, 3]
+    assert max(seen) == 3 and seen[:4] == [0, 1, 2, 3]
     state = store.verify(os.path.join(backup_dir, store.backup_name(committed(backup_dir)[0])))
     assert state["position"]["epoch"] == 2 and state["position"]["step"] == 0
     # A leftover half-written backup is ignored and cleaned up.
@@ -379,6 +381,21 @@ def test_reordered_callbacks_get_their_own_states_back(tmp_path):
     assert (loss.total, mae.total) == (24, 2400)  # 8 restored + 16 trained
 
 
+def test_callbacks_listed_after_it_are_saved_after_their_batch_hooks(tmp_path):
+    """A backup is written once every callback has seen the batch: a
+    stateful callback listed after BackupAndRestore is not one batch behind."""
+    backup_dir = str(tmp_path / "b")
+    tally = Tally("loss", 1)
+    with pytest.raises(RuntimeError):
+        make().fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0, callbacks=[
+            BackupAndRestore(backup_dir, save_freq=4), tally, Crash(10)])
+    assert tally.total == 10
+    resumed = Tally("loss", 1)
+    make().fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+               callbacks=[BackupAndRestore(backup_dir, save_freq=4), resumed])
+    assert resumed.total == 24  # 8 restored + 16 trained
+
+
 def test_sigterm_saves_and_exits_then_resumes(tmp_path):
     backup_dir = str(tmp_path / "b")
     before = signal.getsignal(signal.SIGTERM)
@@ -455,7 +472,9 @@ def test_save_every_seconds_saves_on_time(tmp_path):
     sequences = []
 
     class Watch(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
+        # A backup due at a batch is written after every callback's
+        # on_train_batch_end: look when the next batch begins.
+        def on_train_batch_begin(self, batch, logs=None):
             sequences.append(committed(backup_dir)[:1])
 
     make().fit(**fit_args("numpy"), epochs=1, verbose=0, callbacks=[

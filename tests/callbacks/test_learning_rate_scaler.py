@@ -1,6 +1,8 @@
 """Tier 1: LearningRateScaler and scale_learning_rate (1, 2, 4 replicas)."""
 
+import json
 import math
+import os
 
 import keras
 import numpy as np
@@ -278,3 +280,29 @@ def test_warmup_epochs_with_unknown_length_is_rejected_before_training():
         model.fit(ds, epochs=1, verbose=0, steps_per_epoch=None,
                   callbacks=[LearningRateScaler(warmup_epochs=1)])
     assert model.optimizer.iterations.numpy() == 0
+
+
+def test_a_resumed_run_with_another_factor_is_reported(tmp_path):
+    """get_state/set_state: the factor is saved with a backup; a resume that
+    scales differently (another replica count) says so."""
+    class CrashAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.model.optimizer.iterations.numpy() >= 3:
+                raise RuntimeError("simulated crash")
+
+    backup_dir = str(tmp_path / "b")
+    model = linear(strategies()[4], keras.optimizers.SGD(0.1))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        model.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[
+            BackupAndRestore(backup_dir, save_freq=2), LearningRateScaler(), CrashAt()])
+    with open(os.path.join(backup_dir, "latest")) as f:
+        latest = f.read().strip()
+    with open(os.path.join(backup_dir, latest, "state.json")) as f:
+        states = json.load(f)["callbacks"]
+    assert [s for k, s in states.items() if "LearningRateScaler" in k] == [
+        {"factor": 4.0, "warmup_steps": 0}
+    ]
+    model = linear(strategies()[2], keras.optimizers.SGD(0.1))
+    with pytest.warns(UserWarning, match="scaled the learning rate by 4, this run by 2"):
+        model.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[
+            BackupAndRestore(backup_dir, save_freq=2), LearningRateScaler()])

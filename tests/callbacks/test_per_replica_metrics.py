@@ -136,3 +136,43 @@ def test_path_arguments_are_checked_at_construction(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="`log_dir`: it exists and is not a directory"):
         PerReplicaMetrics(log_dir=tmp_path / "file")
+
+
+class CrashAt(keras.callbacks.Callback):
+    """Raises once the optimizer has taken `at` steps: an in-process kill."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.optimizer.iterations.numpy() >= self.at:
+            raise RuntimeError("simulated crash")
+
+
+def test_a_resumed_run_continues_the_step_axis_of_its_csv(tmp_path):
+    """get_state/set_state: after a crash and a resume, the CSV holds the
+    rows of an uninterrupted run (steps neither restart nor repeat)."""
+    data = dict(x=X, y=Y, batch_size=4, epochs=3, shuffle=False, verbose=0)
+    whole = tmp_path / "whole.csv"
+    zero_model().fit(**data, callbacks=[PerReplicaMetrics(1, csv_path=whole)])
+    path, backup_dir = tmp_path / "m.csv", str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        zero_model().fit(**data, callbacks=[
+            keras_dist.callbacks.BackupAndRestore(backup_dir, save_freq=4),
+            PerReplicaMetrics(1, csv_path=path),
+            CrashAt(7),
+        ])
+    with open(path) as f:
+        assert [r["step"] for r in csv.DictReader(f)][-1] == "7"
+    zero_model().fit(**data, callbacks=[
+        keras_dist.callbacks.BackupAndRestore(backup_dir, save_freq=4),
+        PerReplicaMetrics(1, csv_path=path),
+    ])
+
+    def steps(p):
+        with open(p) as f:
+            return [(r["epoch"], r["step"]) for r in csv.DictReader(f)]
+
+    assert steps(path) == steps(whole)
+    assert steps(whole)[-1] == ("2", "12")
