@@ -67,3 +67,28 @@ def check_log_dir(log_dir) -> None:
             "Invalid value for argument `log_dir`: it exists and is not a "
             f"directory. Received: log_dir={log_dir!r}."
         )
+
+
+def check_count(name: str, value, minimum: int = 1) -> None:
+    """An integer >= `minimum` (1: positive, 0: non-negative)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        kind = "positive" if minimum == 1 else "non-negative" if minimum == 0 else f">= {minimum}"
+        raise ValueError(
+            f"Invalid value for argument `{name}`. Expected a {kind} "
+            f"integer. Received: {name}={value!r}."
+        )
+
+
+def check_port(port) -> None:
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise ValueError(
+            "Invalid value for argument `port`. Expected an integer in "
+            f"1..65535. Received: port={port!r}."
+        )
+
+
+def check_launch_arguments(script, kind: str, module: bool, grace_period, log_dir) -> None:
+    """What every launcher (`launch`, `launch_search`) checks first."""
+    check_script(script, kind, module)
+    check_seconds("grace_period", grace_period)
+    check_log_dir(log_dir)

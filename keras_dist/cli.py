@@ -7,7 +7,7 @@ import json
 import sys
 import textwrap
 
-from keras_dist.launcher import launch, planned_tf_configs
+from keras_dist.launchers.train import launch, planned_tf_configs
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.script == "--" and script_args:
         args.script, script_args = script_args[0], script_args[1:]
     if args.command == "tune":
-        from keras_dist.search_launcher import launch_search
+        from keras_dist.launchers.search import launch_search
 
         try:
             return launch_search(

@@ -8,7 +8,6 @@ import inspect
 import os
 import shutil
 import tempfile
-import warnings
 from typing import Any
 
 import keras

@@ -9,15 +9,20 @@ from collections.abc import Sequence
 from keras_dist import _cluster_spec
 from keras_dist import _liveness
 from keras_dist import _netns
-from keras_dist._checks import check_log_dir, check_script, check_seconds
-from keras_dist.launcher import (
+from keras_dist._checks import (
+    check_count,
+    check_launch_arguments,
+    check_port,
+    check_seconds,
+)
+from keras_dist.launchers.supervisor import (
     HANG_EXIT_CODE,
-    _Group,
+    Group,
     await_exit,
     python_command,
-    _describe_exit,
-    _exit_status,
-    _say,
+    describe_exit,
+    exit_status,
+    say,
     forwarded_signals,
     stop_workers,
 )
@@ -149,7 +154,7 @@ def launch_search(
             )
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
-    _say(
+    say(
         f"search: chief (oracle on 127.0.0.1:{port}) and {num_workers} tuner "
         f"worker(s)"
         + (f" in {len(groups)} groups of {workers_per_trial}" if workers_per_trial > 1 else "")
@@ -164,121 +169,163 @@ def launch_search(
         return f"{line.rstrip()}; {running}/{num_workers} tuner workers running\n"
 
     with forwarded_signals() as interrupt:
-        group = _Group(command, processes, log_dir, grace_period, verbose, annotate,
+        group = Group(command, processes, log_dir, grace_period, verbose, annotate,
                        timeouts)
         return _supervise(group, groups, interrupt, grace_period, finish_timeout)
 
 
 def _supervise(group, groups, interrupt, grace_period, finish_timeout) -> int:
-    chief, workers = group.workers[0], group.workers[1:]
-    by_label = {w.label: w for w in workers}
-    group_of = {label: t for t, labels in groups.items() for label in labels}
-    reported: set[str] = set()
-    deaths: list[str] = []
-    all_exited_at = None
-    while True:
-        if interrupt:
-            signum = interrupt[0]
-            _say(f"received signal {signum}: forwarding it to every process")
-            group.stop(signum)
-            return 128 + signum
+    return _SearchSupervisor(group, groups, interrupt, grace_period, finish_timeout).run()
+
+
+class _SearchSupervisor:
+    """Watches the chief and the tuner workers; one handler per event.
+
+    Each poll runs the handlers in order; the first that returns an exit
+    status ends the search with it.
+    """
+
+    def __init__(self, group, groups, interrupt, grace_period, finish_timeout):
+        self.group = group
+        self.chief, self.workers = group.workers[0], group.workers[1:]
+        self.groups = groups
+        self.by_label = {w.label: w for w in self.workers}
+        self.group_of = {label: t for t, labels in groups.items() for label in labels}
+        self.interrupt = interrupt
+        self.grace_period = grace_period
+        self.finish_timeout = finish_timeout
+        self.reported: set[str] = set()  # dead or stopped workers, told once
+        self.deaths: list[str] = []
+        self.all_exited_at = None
+        self.hung = None  # (worker, problem) found in this poll
+
+    def run(self) -> int:
+        while True:
+            for handler in (
+                self.on_interrupt,
+                self.on_chief_exit,
+                self.on_hang,
+                self.on_worker_deaths,
+                self.on_all_workers_exited,
+            ):
+                status = handler()
+                if status is not None:
+                    return status
+            time.sleep(0.05)
+
+    def on_interrupt(self) -> int | None:
+        if not self.interrupt:
+            return None
+        signum = self.interrupt[0]
+        say(f"received signal {signum}: forwarding it to every process")
+        self.group.stop(signum)
+        return 128 + signum
+
+    def on_chief_exit(self) -> int | None:
+        chief = self.chief
         code = chief.proc.poll()
-        if code is not None:
-            chief.reader.join(timeout=5)
-            if code != 0:
-                _say(f"the chief {_describe_exit(code)}; stopping the tuner workers")
-                group.stop()
-                _say(f"last lines of the chief's output:\n{''.join(chief.tail).rstrip()}")
-                return _exit_status(code)
-            # The search is over: workers were told to stop; give them the
-            # grace period to exit.
-            await_exit(workers, grace_period)
-            group.stop()
-            _say(
-                f"search finished after {time.monotonic() - group.started:.1f}s"
-                + (f"; {len(deaths)} tuner worker(s) died: {'; '.join(deaths)}" if deaths else "")
-            )
-            return 0
-        hung = group.unresponsive([chief] + [w for w in workers if w.label not in reported])
-        if hung is not None and hung[0] is chief:
-            group.report_hang(*hung)
-            _say("stopping the search")
-            group.stop()
+        if code is None:
+            return None
+        chief.reader.join(timeout=5)
+        if code != 0:
+            say(f"the chief {describe_exit(code)}; stopping the tuner workers")
+            self.group.stop()
+            say(f"last lines of the chief's output:\n{''.join(chief.tail).rstrip()}")
+            return exit_status(code)
+        # The search is over: workers were told to stop; give them the
+        # grace period to exit.
+        await_exit(self.workers, self.grace_period)
+        self.group.stop()
+        deaths = self.deaths
+        say(
+            f"search finished after {time.monotonic() - self.group.started:.1f}s"
+            + (f"; {len(deaths)} tuner worker(s) died: {'; '.join(deaths)}" if deaths else "")
+        )
+        return 0
+
+    def on_hang(self) -> int | None:
+        watched = [self.chief] + [w for w in self.workers if w.label not in self.reported]
+        self.hung = self.group.unresponsive(watched)
+        if self.hung is None:
+            return None
+        worker, problem = self.hung
+        self.group.report_hang(worker, problem)
+        if worker is self.chief:
+            say("stopping the search")
+            self.group.stop()
             return HANG_EXIT_CODE
-        if hung is not None:
-            worker, problem = hung
-            group.report_hang(worker, problem)
-            _say(f"stopping {worker.label}")
-            stop_workers([worker], grace_period)
-        for worker in workers:
-            wcode = worker.proc.poll()
-            if wcode is None or wcode == 0 or worker.label in reported:
+        say(f"stopping {worker.label}")
+        stop_workers([worker], self.grace_period)
+        return None
+
+    def on_worker_deaths(self) -> None:
+        for worker in self.workers:
+            code = worker.proc.poll()
+            if code is None or code == 0 or worker.label in self.reported:
                 continue
-            reported.add(worker.label)
-            worker.reader.join(timeout=2)
-            tuner_id = group_of[worker.label]
-            how = _describe_exit(wcode)
-            if hung is not None and worker is hung[0]:
-                how = f"hung ({hung[1]}) and was stopped"
-            deaths.append(f"{worker.label} {how}")
-            _say(
-                f"tuner worker {worker.label} {how}; its trial "
-                f"goes back to the oracle once {tuner_id} has been silent for "
-                "the tuner's worker_timeout; the search continues with the "
-                f"other workers. Last lines of its output:\n"
-                f"{''.join(worker.tail).rstrip()}"
+            self._report_death(worker, code)
+
+    def _report_death(self, worker, code: int) -> None:
+        self.reported.add(worker.label)
+        worker.reader.join(timeout=2)
+        tuner_id = self.group_of[worker.label]
+        how = describe_exit(code)
+        if self.hung is not None and worker is self.hung[0]:
+            how = f"hung ({self.hung[1]}) and was stopped"
+        self.deaths.append(f"{worker.label} {how}")
+        say(
+            f"tuner worker {worker.label} {how}; its trial "
+            f"goes back to the oracle once {tuner_id} has been silent for "
+            "the tuner's worker_timeout; the search continues with the "
+            f"other workers. Last lines of its output:\n"
+            f"{''.join(worker.tail).rstrip()}"
+        )
+        peers = [
+            self.by_label[label]
+            for label in self.groups[tuner_id]
+            if label != worker.label and self.by_label[label].proc.poll() is None
+        ]
+        if peers:
+            say(
+                f"stopping the rest of trial group {tuner_id} "
+                f"({', '.join(p.label for p in peers)}): they wait in a "
+                "collective for the dead worker"
             )
-            peers = [by_label[label] for label in groups[tuner_id]
-                     if label != worker.label and by_label[label].proc.poll() is None]
-            if peers:
-                _say(
-                    f"stopping the rest of trial group {tuner_id} "
-                    f"({', '.join(p.label for p in peers)}): they wait in a "
-                    "collective for the dead worker"
-                )
-                stop_workers(peers, grace_period)
-                reported.update(p.label for p in peers)
-        codes = [w.proc.poll() for w in workers]
-        if all(c is not None for c in codes):
-            if all(c != 0 for c in codes):
-                _say("every tuner worker has died; stopping the chief")
-                group.stop()
-                return 1
-            if all_exited_at is None:
-                all_exited_at = time.monotonic()
-            elif time.monotonic() - all_exited_at > finish_timeout:
-                _say(
-                    f"the chief has not finished {finish_timeout:g}s after the "
-                    "last tuner worker exited; stopping it"
-                )
-                group.stop()
-                return 1
-        time.sleep(0.05)
+            stop_workers(peers, self.grace_period)
+            self.reported.update(p.label for p in peers)
+
+    def on_all_workers_exited(self) -> int | None:
+        codes = [w.proc.poll() for w in self.workers]
+        if any(c is None for c in codes):
+            return None
+        if all(c != 0 for c in codes):
+            say("every tuner worker has died; stopping the chief")
+            self.group.stop()
+            return 1
+        if self.all_exited_at is None:
+            self.all_exited_at = time.monotonic()
+        elif time.monotonic() - self.all_exited_at > self.finish_timeout:
+            say(
+                f"the chief has not finished {self.finish_timeout:g}s after the "
+                "last tuner worker exited; stopping it"
+            )
+            self.group.stop()
+            return 1
+        return None
 
 
 def _check(script, num_workers, workers_per_trial, port, log_dir,
            grace_period, finish_timeout, module=False) -> None:
-    check_script(script, "search", module)
-    for name, value in (("num_workers", num_workers),
-                        ("workers_per_trial", workers_per_trial)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(
-                f"Invalid value for argument `{name}`. Expected a positive "
-                f"integer. Received: {name}={value!r}."
-            )
+    check_launch_arguments(script, "search", module, grace_period, log_dir)
+    check_count("num_workers", num_workers)
+    check_count("workers_per_trial", workers_per_trial)
     if num_workers % workers_per_trial:
         raise ValueError(
             "Invalid value for argument `workers_per_trial`: it must divide "
             f"`num_workers` (whole trial groups). Received: num_workers="
             f"{num_workers}, workers_per_trial={workers_per_trial}."
         )
-    check_seconds("grace_period", grace_period)
     check_seconds("finish_timeout", finish_timeout)
     if port is not None:
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-            raise ValueError(
-                "Invalid value for argument `port`. Expected an integer in "
-                f"1..65535. Received: port={port!r}."
-            )
+        check_port(port)
         _cluster_spec.check_port_free(f"127.0.0.1:{port}")
-    check_log_dir(log_dir)

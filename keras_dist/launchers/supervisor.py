@@ -1,0 +1,365 @@
+"""The supervisor layer of `keras-dist launch` and `keras-dist tune`.
+
+A process group (`Group`): it spawns one process per worker, pumps and
+prefixes their output (and tees it into log files), forwards signals, stops
+the group with a grace period, and tells what happened to it (`Outcome`):
+an exit, a port conflict, a hang (through `_liveness`), a preemption. The
+train launcher (`train.py`) and the search launcher (`search.py`) decide
+what to do about it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from collections.abc import Sequence
+
+from keras_dist import _cluster_spec
+from keras_dist import _exit_codes
+from keras_dist import _liveness
+from keras_dist import _tf_config
+
+_TAIL_LINES = 40
+HANG_EXIT_CODE = _exit_codes.HANG
+PREEMPTED_EXIT_CODE = _exit_codes.PREEMPTED
+
+
+def say(message: str) -> None:
+    sys.stderr.write(f"[keras-dist] {message}\n")
+    sys.stderr.flush()
+
+
+@dataclass
+class Worker:
+    label: str  # "worker 0": the prefix of its lines; "worker-0.log" its log
+    proc: subprocess.Popen
+    tail: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=_TAIL_LINES)
+    )
+    reader: threading.Thread | None = None
+    watch: _liveness.Watch | None = None
+
+
+@dataclass
+class Outcome:
+    code: int
+    reason: str = ""
+    interrupted: bool = False
+    port_conflict: bool = False
+
+
+# What TensorFlow prints when its gRPC server cannot bind its port: in local
+# mode another process took a port between our reservation and the worker's
+# bind. Such starts are retried with fresh ports, not counted as restarts.
+_PORT_CONFLICT_MARKERS = ("Could not start gRPC server", "Address already in use")
+PORT_RETRIES = 3
+
+# Lines TensorFlow prints at every start that say nothing about the job (no
+# GPU on this machine, CPU build flags, a tf.data optimization note). Without
+# --verbose they stay out of the console and of the report of a failed
+# worker (log files keep everything). TensorFlow's C++ INFO lines are off
+# unless the user sets TF_CPP_MIN_LOG_LEVEL.
+_STARTUP_NOISE = (
+    "All log messages before absl::InitializeLog() is called",
+    "failed call to cuInit",
+    "Could not find cuda drivers",
+    "Unable to register cuDNN factory",
+    "Unable to register cuFFT factory",
+    "Unable to register cuBLAS factory",
+    "computation placer already registered",
+    "cpu_feature_guard.cc",
+    "To enable the following instructions:",
+    "oneDNN custom operations are on",
+    "Input of GeneratorDatasetOp::Dataset will not be optimized",
+    # keras_dist configures collective ops at import (before TensorFlow
+    # starts); TensorFlow still warns when the strategy enables them again.
+    "Enabling collective ops after program startup",
+)
+# Progress lines that keras_dist prints in launched processes: shown on the
+# console also when the output goes to log files.
+_PROGRESS_PREFIX = "[keras-dist] "
+
+
+def python_command(script: str, script_args: Sequence[str], module: bool) -> list:
+    """The argv after the interpreter: a script path, or `-m module`."""
+    return (["-m", script] if module else [script]) + list(script_args)
+
+
+def _is_noise(line: str) -> bool:
+    return any(marker in line for marker in _STARTUP_NOISE)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def exit_status(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def _signal(workers, signum: int) -> None:
+    for worker in workers:
+        if worker.proc.poll() is None:
+            try:
+                os.killpg(worker.proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def await_exit(workers, seconds: float) -> None:
+    """Waits up to `seconds` for `workers` to exit by themselves."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(w.proc.poll() is None for w in workers):
+        time.sleep(0.05)
+
+
+def stop_workers(workers, grace_period: float, signum: int = signal.SIGTERM) -> None:
+    """Sends `signum` to `workers`, waits the grace period, kills the rest."""
+    _signal(workers, signum)
+    await_exit(workers, grace_period)
+    _signal(workers, signal.SIGKILL)
+    for worker in workers:
+        worker.proc.wait()
+        worker.reader.join(timeout=5)
+
+
+@contextlib.contextmanager
+def forwarded_signals():
+    """Collects SIGINT/SIGTERM (in the main thread) into the list it yields."""
+    interrupt: list[int] = []
+    previous = {}
+
+    def on_signal(signum, frame):
+        interrupt.append(signum)
+
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, on_signal)
+    try:
+        yield interrupt
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _in_cluster(tf_config: str | None) -> bool:
+    """Whether a process's TF_CONFIG makes it one of several workers."""
+    cluster = _tf_config.parse_tf_config(tf_config) if tf_config else None
+    return cluster is not None and cluster.num_workers > 1
+
+
+class Group:
+    """One generation of worker processes, supervised together."""
+
+    def __init__(self, command, processes, log_dir, grace_period, verbose=False,
+                 annotate=None, timeouts=None):
+        """Starts `python -u *command` once per process.
+
+        `processes`: (label, environment variables to set) per process.
+        `annotate(group, label, line)`: may rewrite a progress line before it
+        is shown. `timeouts`: the liveness limits (`_liveness.Timeouts`).
+        """
+        self.grace_period = grace_period
+        self.workers: list[Worker] = []
+        self.lock = threading.Lock()
+        self.log_dir = log_dir
+        self.verbose = verbose
+        self.annotate = annotate
+        self.timeouts = timeouts or _liveness.Timeouts()
+        self.started = time.monotonic()
+        self.heartbeats = tempfile.mkdtemp(prefix="keras_dist_heartbeat_")
+        self._next_check = 0.0
+        for label, variables in processes:
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            env[_cluster_spec.LAUNCHED_ENV] = "1"
+            heartbeat = os.path.join(self.heartbeats, label.replace(" ", "-"))
+            env[_liveness.ENV] = heartbeat
+            env[_liveness.PARENT_ENV] = str(os.getpid())
+            if not verbose:
+                env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+            for key, value in variables.items():
+                if value is None:
+                    env.pop(key, None)
+                else:
+                    env[key] = value
+            proc = subprocess.Popen(
+                [sys.executable, "-u", *command],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                errors="replace",
+                start_new_session=True,  # own process group: we stop it whole
+            )
+            worker = Worker(label, proc)
+            worker.watch = _liveness.Watch(
+                proc.pid, heartbeat, _in_cluster(variables.get("TF_CONFIG")),
+                self.timeouts,
+            )
+            worker.reader = threading.Thread(
+                target=self._pump, args=(worker,), daemon=True
+            )
+            worker.reader.start()
+            self.workers.append(worker)
+
+    def _pump(self, worker: Worker) -> None:
+        log = None
+        if self.log_dir:
+            log = open(
+                os.path.join(self.log_dir, f"{worker.label.replace(' ', '-')}.log"),
+                "a",
+                encoding="utf-8",
+            )
+        try:
+            for line in worker.proc.stdout:
+                noise = not self.verbose and _is_noise(line)
+                if not noise:  # the tail explains a failure: no noise in it
+                    worker.tail.append(line)
+                if log is not None:
+                    log.write(line)
+                    log.flush()
+                    show = line.startswith(_PROGRESS_PREFIX)
+                else:
+                    show = not noise
+                if show:
+                    if self.annotate is not None and line.startswith(_PROGRESS_PREFIX):
+                        line = self.annotate(self, worker.label, line)
+                    with self.lock:
+                        sys.stdout.write(f"[{worker.label}] {line}")
+                        sys.stdout.flush()
+        finally:
+            if log is not None:
+                log.close()
+
+    def signal_all(self, signum: int) -> None:
+        _signal(self.workers, signum)
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Sends `signum`, waits the grace period, then kills what is left."""
+        stop_workers(self.workers, self.grace_period, signum)
+        shutil.rmtree(self.heartbeats, ignore_errors=True)
+
+    def unresponsive(self, workers=None):
+        """(worker, what is wrong) for the first running worker that hangs,
+        never joined or stopped responding; checked about once a second."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return None
+        self._next_check = now + 1.0
+        found = []
+        for index, worker in enumerate(workers if workers is not None else self.workers):
+            if worker.proc.poll() is None and worker.watch is not None:
+                problem = worker.watch.check()
+                if problem:
+                    found.append((problem[0], index, worker, problem[1]))
+        if not found:
+            return None
+        _, _, worker, problem = min(found, key=lambda f: f[:2])
+        return worker, problem
+
+    def report_hang(self, worker, problem: str) -> str:
+        """Says which worker hangs and how, with its last lines."""
+        reason = f"{worker.label} {problem}"
+        others = [
+            f"{w.label}: {w.watch.summary()}" for w in self.workers
+            if w is not worker and w.watch is not None and w.proc.poll() is None
+        ]
+        say(f"{reason}" + (f" (others: {'; '.join(others)})" if others else ""))
+        say(f"last lines of {worker.label}'s output:\n{''.join(worker.tail).rstrip()}")
+        return reason
+
+    def stopped_peer(self, failed) -> str:
+        """'worker 1 stopped responding (...)' when a stopped peer probably
+        caused `failed` to fail; '' otherwise."""
+        for worker in self.workers:
+            if worker is failed or worker.proc.poll() is not None:
+                continue
+            stopped, state = _liveness.is_stopped(worker.proc.pid)
+            if stopped:
+                return (
+                    f"{worker.label} stopped responding: its process is stopped "
+                    f"(state {state}: SIGSTOP, or a debugger)"
+                )
+        return ""
+
+    def wait(self, interrupt: list[int]) -> Outcome:
+        """Supervises the group until it ends; one handler per event."""
+        while True:
+            outcome = (
+                self._on_interrupt(interrupt)
+                or self._on_failure()
+                or self._on_success()
+                or self._on_hang()
+            )
+            if outcome is not None:
+                return outcome
+            time.sleep(0.05)
+
+    def _on_interrupt(self, interrupt: list[int]) -> Outcome | None:
+        if not interrupt:
+            return None
+        signum = interrupt[0]
+        say(
+            f"received {signal.Signals(signum).name}: forwarding it to "
+            f"the workers (grace period {self.grace_period:g}s)"
+        )
+        self.stop(signum)
+        return Outcome(128 + signum, "interrupted", interrupted=True)
+
+    def _on_failure(self) -> Outcome | None:
+        """The first worker that exited with an error stops the group."""
+        for worker in self.workers:
+            code = worker.proc.poll()
+            if code in (None, 0):
+                continue
+            worker.reader.join(timeout=2)
+            reason = f"{worker.label} {describe_exit(code)}"
+            if code == PREEMPTED_EXIT_CODE:
+                reason += " (preempted: it saved a backup)"
+                # The others agreed to save and exit too: let them.
+                await_exit(self.workers, self.grace_period)
+            cause = self.stopped_peer(worker)
+            if cause:
+                reason = f"{cause}; {reason} (its peer stopped answering)"
+            say(f"{reason}; stopping the other workers")
+            self.stop()
+            tail = "".join(worker.tail)
+            say(f"last lines of {worker.label}'s output:\n{tail.rstrip()}")
+            return Outcome(
+                HANG_EXIT_CODE if cause else exit_status(code),
+                reason,
+                port_conflict=any(m in tail for m in _PORT_CONFLICT_MARKERS),
+            )
+        return None
+
+    def _on_success(self) -> Outcome | None:
+        if any(w.proc.poll() != 0 for w in self.workers):
+            return None
+        for worker in self.workers:
+            worker.reader.join(timeout=5)
+        shutil.rmtree(self.heartbeats, ignore_errors=True)
+        return Outcome(0)
+
+    def _on_hang(self) -> Outcome | None:
+        hung = self.unresponsive()
+        if hung is None:
+            return None
+        reason = self.report_hang(*hung)
+        say("stopping the workers")
+        self.stop()
+        return Outcome(HANG_EXIT_CODE, reason)

@@ -1,0 +1,312 @@
+"""`launch`: start and supervise the workers of a multi-worker job."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+
+from keras_dist import _cluster_spec
+from keras_dist import _liveness
+from keras_dist import _netns
+from keras_dist._checks import check_count, check_launch_arguments
+from keras_dist.launchers.supervisor import (
+    PORT_RETRIES,
+    Group,
+    forwarded_signals,
+    python_command,
+    say,
+)
+
+
+def launch(
+    script: str,
+    script_args: Sequence[str] = (),
+    *,
+    num_workers: int | None = None,
+    hosts: str | None = None,
+    rank: int | None = None,
+    max_restarts: int = 0,
+    log_dir: str | None = None,
+    grace_period: float = 5.0,
+    module: bool = False,
+    port: int | None = None,
+    verbose: bool = False,
+    start_timeout: float | None = 300.0,
+    hang_timeout: float | None = 900.0,
+    private_network: bool = False,
+) -> int:
+    """Runs `script` as the workers of a multi-worker job and supervises them.
+
+    Local mode (`num_workers=N`) starts N processes of the script on this
+    machine, each with its own `TF_CONFIG` (N workers on free 127.0.0.1
+    ports), so `keras_dist.resolve_strategy("auto")` gives each a
+    `MultiWorkerMirroredStrategy`. Multi-host mode (`hosts=..., rank=I`)
+    starts this host's worker only; run it once per host. Inside a Slurm
+    allocation (neither given) the cluster comes from Slurm's variables.
+
+    Each output line is prefixed with its worker's rank (or written to
+    `log_dir/worker-<rank>.log`). When a worker exits with an error or is
+    killed, the others are stopped at once (no hang in a collective): the
+    launcher reports which worker failed, how, and its last lines. With
+    `max_restarts=K` the whole group is restarted (fresh ports) up to K
+    times, so a job that backs itself up resumes by itself. SIGINT/SIGTERM
+    are forwarded to the workers, which get `grace_period` seconds to exit.
+
+    Hangs are detected without any network listener: each worker writes a
+    heartbeat file that the launcher reads. A worker that has not joined
+    its cluster after `start_timeout` seconds, that makes no step (train,
+    test or predict call) for `hang_timeout` seconds after it joined, or
+    whose process is stopped (SIGSTOP, a debugger) or silent without using
+    CPU for 15 s, is named with its last lines; the group is stopped
+    (exit status 124) and restarted if `max_restarts` allows. A worker that
+    exits 42 (a `BackupAndRestore` preemption save) gets the grace period
+    for the others to finish their save too.
+
+    Args:
+        script: Path of the Python script every worker runs.
+        script_args: Arguments passed to the script.
+        num_workers: Positive integer: local mode with this many workers.
+        hosts: `"host1:port,host2:port"`: multi-host mode (needs `rank`).
+        rank: This host's index in `hosts`.
+        max_restarts: Non-negative integer, default 0: group restarts after
+            a failure.
+        log_dir: Directory for per-worker log files (default: prefixed
+            lines on standard output).
+        grace_period: Positive number of seconds, default 5, that workers
+            get to exit after SIGTERM/SIGINT before they are killed.
+        module: Boolean, default False: `script` names a module, run as
+            `python -m script` (like `python -m`, found from the current
+            directory or the installed packages).
+        port: Local mode only: the first worker's port on 127.0.0.1; worker
+            `i` gets `port + i` (default: free ports chosen by the system).
+        verbose: Boolean, default False: show TensorFlow's start-up lines
+            (no GPU found, CPU build flags, C++ INFO logs) on the console;
+            without it they are kept out of the console (log files and the
+            report of a failed worker keep what the worker printed).
+        start_timeout: Seconds (default 300) each worker of a multi-worker
+            group gets to join its cluster; None: no limit.
+        hang_timeout: Seconds (default 900) a worker may go without a step
+            once it joined its cluster; None: no limit.
+        private_network: Boolean, default False. Local mode on Linux: run
+            the job in its own network namespace, whose only interface is a
+            private loopback. TensorFlow's servers listen on every interface
+            (it has no setting for that); in the namespace nothing outside
+            can reach them, and the workers cannot reach the network.
+
+    Returns:
+        0 when every worker succeeded; otherwise the failed worker's exit
+        code (128 + signal number for a signal; 124 for a hang).
+
+    Example:
+
+        >>> import keras_dist
+        >>> keras_dist.launch("train.py", ["--epochs", "3"], num_workers=2)  # doctest: +SKIP
+        0
+
+    Raises:
+        ValueError / TypeError: before anything starts, for a missing
+            script, `num_workers < 1`, a malformed `hosts`, a rank out of
+            range, a port in use or bad restart/grace values.
+    """
+    configs_for = _plan(script, num_workers, hosts, rank, max_restarts, log_dir,
+                        grace_period, module, port)
+    timeouts = _liveness.Timeouts.checked(start_timeout, hang_timeout)
+    if private_network and not _netns.inside():
+        if num_workers is None:
+            raise ValueError(
+                "Invalid value for argument `private_network`: it isolates a "
+                "local job (num_workers=N); a multi-host job needs the "
+                "network. Received: private_network=True with hosts="
+                f"{hosts!r}. Keep multi-host jobs on a private network or "
+                "behind a firewall."
+            )
+        return _netns.relaunch(
+            ["launch", "--num-workers", str(num_workers),
+             "--max-restarts", str(max_restarts)],
+            script, script_args, port=port, log_dir=log_dir,
+            grace_period=grace_period, module=module, verbose=verbose,
+            start_timeout=start_timeout, hang_timeout=hang_timeout,
+        )
+    _netns.set_up_if_inside()
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+    command = python_command(script, script_args, module)
+    job = _Job(
+        command,
+        configs_for,
+        log_dir=log_dir,
+        grace_period=grace_period,
+        verbose=verbose,
+        timeouts=timeouts,
+        max_restarts=max_restarts,
+        # Fresh ports can be drawn only for a local job on launcher-chosen ports.
+        redraw_ports=num_workers is not None and port is None,
+    )
+    with forwarded_signals() as interrupt:
+        return job.run(interrupt)
+
+
+class _Job:
+    """Runs the worker group until it succeeds, is interrupted or runs out
+    of restarts; one handler per outcome."""
+
+    def __init__(self, command, configs_for, *, log_dir, grace_period, verbose,
+                 timeouts, max_restarts, redraw_ports):
+        self.command = command
+        self.configs_for = configs_for
+        self.log_dir = log_dir
+        self.grace_period = grace_period
+        self.verbose = verbose
+        self.timeouts = timeouts
+        self.max_restarts = max_restarts
+        self.redraw_ports = redraw_ports
+        self.restarts = 0
+        self.port_retries = 0
+        self.started = time.monotonic()
+
+    def run(self, interrupt) -> int:
+        while True:
+            configs = self.configs_for()
+            outcome = self._start(configs).wait(interrupt)
+            for handler in (self._on_port_conflict, self._on_success, self._on_failure):
+                status = handler(outcome, configs)  # an exit status, "retry" or None
+                if status is not None:
+                    break
+            if status != "retry":
+                return status
+
+    def _start(self, configs) -> Group:
+        processes = [(f"worker {r}", {"TF_CONFIG": c}) for r, c in configs]
+        say(
+            ("restart: " if self.restarts or self.port_retries else "")
+            + f"starting {_describe_workers(configs)}: python "
+            + " ".join(self.command)
+            + (f" (output in {self.log_dir}/worker-<rank>.log)" if self.log_dir else "")
+        )
+        return Group(self.command, processes, self.log_dir, self.grace_period,
+                     self.verbose, timeouts=self.timeouts)
+
+    def _on_port_conflict(self, outcome, configs):
+        if not (outcome.port_conflict and self.redraw_ports
+                and self.port_retries < PORT_RETRIES):
+            return None
+        self.port_retries += 1
+        say(
+            "a worker could not bind its port (taken by another process); "
+            f"retrying with fresh ports ({self.port_retries}/{PORT_RETRIES})"
+        )
+        return "retry"
+
+    def _on_success(self, outcome, configs):
+        if outcome.code != 0:
+            return None
+        say(
+            f"job finished: {len(configs)} worker(s) exited with code 0 "
+            f"after {time.monotonic() - self.started:.1f}s"
+            + (f" and {self.restarts} restart(s)" if self.restarts else "")
+        )
+        return 0
+
+    def _on_failure(self, outcome, configs):
+        if outcome.interrupted:
+            return outcome.code
+        if self.restarts >= self.max_restarts:
+            say(
+                f"job failed: {outcome.reason}"
+                + (f" (after {self.restarts} restart(s))" if self.restarts else "")
+            )
+            return outcome.code
+        self.restarts += 1
+        say(
+            f"restarting the worker group ({self.restarts}/{self.max_restarts}) "
+            f"because {outcome.reason}"
+        )
+        return "retry"
+
+
+def _describe_workers(configs) -> str:
+    """'2 workers (127.0.0.1:5001, 127.0.0.1:5002)' or 'worker 1 of 2 (...)'."""
+    cluster = json.loads(configs[0][1])["cluster"]["worker"]
+    if len(configs) == len(cluster):
+        return f"{len(cluster)} worker(s) ({', '.join(cluster)})"
+    rank = configs[0][0]
+    return f"worker {rank} of {len(cluster)} ({cluster[rank]})"
+
+
+def _plan(script, num_workers, hosts, rank, max_restarts, log_dir, grace_period,
+          module=False, port=None):
+    """Validates everything up front; returns a TF_CONFIG factory."""
+    check_launch_arguments(script, "training", module, grace_period, log_dir)
+    check_count("max_restarts", max_restarts, minimum=0)
+    if num_workers is not None and hosts is not None:
+        raise ValueError(
+            "Arguments `num_workers` and `hosts` are mutually exclusive. "
+            f"Received: num_workers={num_workers!r}, hosts={hosts!r}. Use "
+            "num_workers for local workers, hosts (with rank) for one host "
+            "of a multi-host job."
+        )
+    if num_workers is not None:
+        check_count("num_workers", num_workers)
+
+        if port is not None:
+            fixed = _cluster_spec.consecutive_ports(port, num_workers)
+
+        def local():
+            ports = fixed if port is not None else _cluster_spec.loopback_ports(num_workers)
+            workers = [f"127.0.0.1:{p}" for p in ports]
+            return [(r, _cluster_spec.tf_config(workers, r)) for r in range(num_workers)]
+
+        return local
+    if port is not None:
+        raise ValueError(
+            "Argument `port` applies to local workers (num_workers=N) only. "
+            f"Received: port={port!r}, hosts={hosts!r}. With hosts, each "
+            "entry names its port (host:port)."
+        )
+    if hosts is not None:
+        workers = _cluster_spec.parse_hosts(hosts)
+        if rank is None:
+            raise ValueError(
+                "Argument `rank` is required with `hosts`: the index of this "
+                f"host in the list. Received: rank=None, hosts={hosts!r}."
+            )
+        _cluster_spec.check_rank(rank, len(workers))
+        _cluster_spec.check_port_free(workers[rank])
+        config = _cluster_spec.tf_config(workers, rank)
+        return lambda: [(rank, config)]
+    slurm = _cluster_spec.slurm_cluster()
+    if slurm is not None:
+        workers, slurm_rank = slurm
+        config = _cluster_spec.tf_config(workers, slurm_rank)
+        return lambda: [(slurm_rank, config)]
+    raise ValueError(
+        "No cluster given. Pass num_workers=N (--num-workers N) for N local "
+        "workers, or hosts='h1:port,h2:port' with rank=I (--hosts, --rank) "
+        "on each host, or run inside a Slurm allocation (srun)."
+    )
+
+
+def planned_tf_configs(
+    num_workers: int | None = None, hosts: str | None = None
+) -> list[str]:
+    """The `TF_CONFIG` of every worker that `launch` would start.
+
+    For local mode the ports are chosen now; a later `launch` picks fresh
+    ones. For `hosts`, the result is exactly what each host's worker gets.
+    """
+    if hosts is not None:
+        workers = _cluster_spec.parse_hosts(hosts)
+    elif num_workers is not None and isinstance(num_workers, int) and num_workers >= 1:
+        workers = [f"127.0.0.1:{p}" for p in _cluster_spec.loopback_ports(num_workers)]
+    else:
+        slurm = _cluster_spec.slurm_cluster()
+        if slurm is None:
+            raise ValueError(
+                "Pass --num-workers N or --hosts h1:port,h2:port with "
+                f"--print-tf-config. Received: num_workers={num_workers!r}, "
+                f"hosts={hosts!r}."
+            )
+        workers = slurm[0]
+    return [_cluster_spec.tf_config(workers, r) for r in range(len(workers))]
