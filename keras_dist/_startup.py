@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from keras_dist import _tf_config
+from keras_dist import _cluster
 
 # Set by the launcher process itself (it trains nothing).
 _DISABLE = "KERAS_DIST_NO_STARTUP"
@@ -30,7 +30,7 @@ configured = False
 def is_multi_worker_task() -> bool:
     """True for a training task of a job with several (TF_CONFIG / Slurm)."""
     try:
-        cluster = _tf_config.parse_tf_config()
+        cluster = _cluster.parse_tf_config()
     except ValueError:
         return False  # reported, with the field named, by resolve_strategy
     if cluster is not None:
@@ -39,7 +39,7 @@ def is_multi_worker_task() -> bool:
             and cluster.task_type in ("chief", "worker")
             and not cluster.cluster.get("ps")
         )
-    return _tf_config.slurm_num_tasks() > 1
+    return _cluster.slurm_num_tasks() > 1
 
 
 def configure_collectives() -> bool:
@@ -61,7 +61,7 @@ def configure_collectives() -> bool:
     if _keras_compat.eager_runtime_started():
         return False
     try:
-        if _tf_config.parse_tf_config() is not None:
+        if _cluster.parse_tf_config() is not None:
             resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
         else:
             resolver = tf.distribute.cluster_resolver.SlurmClusterResolver()

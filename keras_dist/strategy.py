@@ -20,9 +20,9 @@ from typing import Literal, Union
 import tensorflow as tf
 
 from keras_dist import _keras_compat
-from keras_dist import _tf_config
+from keras_dist import _cluster
 from keras_dist import _liveness
-from keras_dist._cluster_spec import LAUNCHED_ENV
+from keras_dist._cluster import LAUNCHED_ENV
 
 StrategySpec = Union[
     Literal["auto", "mirrored", "multi_worker", "tpu", "default"],
@@ -186,7 +186,7 @@ def _resolve_auto() -> tf.distribute.Strategy:
         return tf.distribute.get_strategy()
     # Decide from the environment first: MultiWorkerMirroredStrategy must be
     # created before TensorFlow initializes its runtime.
-    cluster = _tf_config.parse_tf_config()
+    cluster = _cluster.parse_tf_config()
     if any(os.environ.get(name) for name in _TPU_ENV_HINTS) or (
         os.path.exists("/dev/accel0") and cluster is None
     ):
@@ -195,7 +195,7 @@ def _resolve_auto() -> tf.distribute.Strategy:
             return strategy
     if cluster is not None and cluster.num_workers > 1:
         return _multi_worker()
-    if cluster is None and _tf_config.slurm_num_tasks() > 1:
+    if cluster is None and _cluster.slurm_num_tasks() > 1:
         return _multi_worker()
     devices = _local_devices()
     if len(devices) > 1:
@@ -231,8 +231,8 @@ def _mirrored(devices: tuple[str, ...]) -> tf.distribute.Strategy:
 def _multi_worker() -> tf.distribute.Strategy:
     key = ("multi_worker",)
     if key not in _cache:
-        cluster = _tf_config.parse_tf_config()
-        if cluster is None and _tf_config.slurm_num_tasks() > 1:
+        cluster = _cluster.parse_tf_config()
+        if cluster is None and _cluster.slurm_num_tasks() > 1:
             resolver = tf.distribute.cluster_resolver.SlurmClusterResolver()
         else:
             resolver = None
@@ -334,7 +334,7 @@ def worker_info(strategy: StrategySpec | None = None) -> WorkerInfo:
         spec = resolver.cluster_spec().as_dict()
         if not spec:
             return WorkerInfo(1, 0, True)
-        info = _tf_config.ClusterInfo(
+        info = _cluster.ClusterInfo(
             cluster={k: list(v) if isinstance(v, list) else list(v.values()) for k, v in spec.items()},
             task_type=resolver.task_type,
             task_index=int(resolver.task_id),

@@ -257,7 +257,7 @@ def test_slurm_cluster(tmp_path, capsys):
 
 
 def _free_ports(n):
-    from keras_dist._cluster_spec import loopback_ports
+    from keras_dist._cluster import loopback_ports
 
     return loopback_ports(n)
 
@@ -293,7 +293,7 @@ def test_module_mode(tmp_path, capfd, monkeypatch):
 
 
 def test_fixed_port(tmp_path):
-    from keras_dist._cluster_spec import consecutive_ports
+    from keras_dist._cluster import consecutive_ports
 
     for first in range(20000, 60000, 1000):  # a range that is free now
         try:

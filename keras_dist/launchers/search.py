@@ -6,7 +6,7 @@ import os
 import time
 from collections.abc import Sequence
 
-from keras_dist import _cluster_spec
+from keras_dist import _cluster
 from keras_dist import _liveness
 from keras_dist import _netns
 from keras_dist._checks import (
@@ -129,7 +129,7 @@ def launch_search(
         )
     _netns.set_up_if_inside()
     if port is None:
-        port = _cluster_spec.loopback_ports(1)[0]
+        port = _cluster.loopback_ports(1)[0]
     oracle = {
         "KERASTUNER_ORACLE_IP": "127.0.0.1",
         "KERASTUNER_ORACLE_PORT": str(port),
@@ -141,10 +141,10 @@ def launch_search(
         if workers_per_trial == 1:
             labels = [(tuner_id, None)]
         else:
-            ports = _cluster_spec.loopback_ports(workers_per_trial)
+            ports = _cluster.loopback_ports(workers_per_trial)
             cluster = [f"127.0.0.1:{p}" for p in ports]
             labels = [
-                (f"{tuner_id} worker {r}", _cluster_spec.tf_config(cluster, r))
+                (f"{tuner_id} worker {r}", _cluster.tf_config(cluster, r))
                 for r in range(workers_per_trial)
             ]
         groups[tuner_id] = [label for label, _ in labels]
@@ -328,4 +328,4 @@ def _check(script, num_workers, workers_per_trial, port, log_dir,
     check_seconds("finish_timeout", finish_timeout)
     if port is not None:
         check_port(port)
-        _cluster_spec.check_port_free(f"127.0.0.1:{port}")
+        _cluster.check_port_free(f"127.0.0.1:{port}")

@@ -23,10 +23,9 @@ import time
 from dataclasses import dataclass, field
 from collections.abc import Sequence
 
-from keras_dist import _cluster_spec
+from keras_dist import _cluster
 from keras_dist import _exit_codes
 from keras_dist import _liveness
-from keras_dist import _tf_config
 
 _TAIL_LINES = 40
 HANG_EXIT_CODE = _exit_codes.HANG
@@ -158,7 +157,7 @@ def forwarded_signals():
 
 def _in_cluster(tf_config: str | None) -> bool:
     """Whether a process's TF_CONFIG makes it one of several workers."""
-    cluster = _tf_config.parse_tf_config(tf_config) if tf_config else None
+    cluster = _cluster.parse_tf_config(tf_config) if tf_config else None
     return cluster is not None and cluster.num_workers > 1
 
 
@@ -185,7 +184,7 @@ class Group:
         self._next_check = 0.0
         for label, variables in processes:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
-            env[_cluster_spec.LAUNCHED_ENV] = "1"
+            env[_cluster.LAUNCHED_ENV] = "1"
             heartbeat = os.path.join(self.heartbeats, label.replace(" ", "-"))
             env[_liveness.ENV] = heartbeat
             env[_liveness.PARENT_ENV] = str(os.getpid())

@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Sequence
 
-from keras_dist import _cluster_spec
+from keras_dist import _cluster
 from keras_dist import _liveness
 from keras_dist import _netns
 from keras_dist._checks import check_count, check_launch_arguments
@@ -251,12 +251,12 @@ def _plan(script, num_workers, hosts, rank, max_restarts, log_dir, grace_period,
         check_count("num_workers", num_workers)
 
         if port is not None:
-            fixed = _cluster_spec.consecutive_ports(port, num_workers)
+            fixed = _cluster.consecutive_ports(port, num_workers)
 
         def local():
-            ports = fixed if port is not None else _cluster_spec.loopback_ports(num_workers)
+            ports = fixed if port is not None else _cluster.loopback_ports(num_workers)
             workers = [f"127.0.0.1:{p}" for p in ports]
-            return [(r, _cluster_spec.tf_config(workers, r)) for r in range(num_workers)]
+            return [(r, _cluster.tf_config(workers, r)) for r in range(num_workers)]
 
         return local
     if port is not None:
@@ -266,20 +266,20 @@ def _plan(script, num_workers, hosts, rank, max_restarts, log_dir, grace_period,
             "entry names its port (host:port)."
         )
     if hosts is not None:
-        workers = _cluster_spec.parse_hosts(hosts)
+        workers = _cluster.parse_hosts(hosts)
         if rank is None:
             raise ValueError(
                 "Argument `rank` is required with `hosts`: the index of this "
                 f"host in the list. Received: rank=None, hosts={hosts!r}."
             )
-        _cluster_spec.check_rank(rank, len(workers))
-        _cluster_spec.check_port_free(workers[rank])
-        config = _cluster_spec.tf_config(workers, rank)
+        _cluster.check_rank(rank, len(workers))
+        _cluster.check_port_free(workers[rank])
+        config = _cluster.tf_config(workers, rank)
         return lambda: [(rank, config)]
-    slurm = _cluster_spec.slurm_cluster()
+    slurm = _cluster.slurm_cluster()
     if slurm is not None:
         workers, slurm_rank = slurm
-        config = _cluster_spec.tf_config(workers, slurm_rank)
+        config = _cluster.tf_config(workers, slurm_rank)
         return lambda: [(slurm_rank, config)]
     raise ValueError(
         "No cluster given. Pass num_workers=N (--num-workers N) for N local "
@@ -297,11 +297,11 @@ def planned_tf_configs(
     ones. For `hosts`, the result is exactly what each host's worker gets.
     """
     if hosts is not None:
-        workers = _cluster_spec.parse_hosts(hosts)
+        workers = _cluster.parse_hosts(hosts)
     elif num_workers is not None and isinstance(num_workers, int) and num_workers >= 1:
-        workers = [f"127.0.0.1:{p}" for p in _cluster_spec.loopback_ports(num_workers)]
+        workers = [f"127.0.0.1:{p}" for p in _cluster.loopback_ports(num_workers)]
     else:
-        slurm = _cluster_spec.slurm_cluster()
+        slurm = _cluster.slurm_cluster()
         if slurm is None:
             raise ValueError(
                 "Pass --num-workers N or --hosts h1:port,h2:port with "
@@ -309,4 +309,4 @@ def planned_tf_configs(
                 f"hosts={hosts!r}."
             )
         workers = slurm[0]
-    return [_cluster_spec.tf_config(workers, r) for r in range(len(workers))]
+    return [_cluster.tf_config(workers, r) for r in range(len(workers))]

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from keras_dist._cluster_spec import loopback_ports
+from keras_dist._cluster import loopback_ports
 
 
 def run_workers(

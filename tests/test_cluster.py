@@ -3,13 +3,13 @@ from unittest import mock
 
 import pytest
 
-from keras_dist import _tf_config
+from keras_dist import _cluster
 
 
 def test_unset_or_empty_is_none():
     with mock.patch.dict("os.environ", {}, clear=True):
-        assert _tf_config.parse_tf_config() is None
-    assert _tf_config.parse_tf_config("  ") is None
+        assert _cluster.parse_tf_config() is None
+    assert _cluster.parse_tf_config("  ") is None
 
 
 def test_ranks_with_and_without_chief():
@@ -17,17 +17,17 @@ def test_ranks_with_and_without_chief():
         "cluster": {"chief": ["h:1"], "worker": ["h:2", "h:3"]},
         "task": {"type": "worker", "index": 1},
     }
-    info = _tf_config.parse_tf_config(json.dumps(with_chief))
+    info = _cluster.parse_tf_config(json.dumps(with_chief))
     assert (info.num_workers, info.rank, info.is_chief) == (3, 2, False)
     no_chief = {"cluster": {"worker": ["h:2", "h:3"]}, "task": {"type": "worker"}}
-    info = _tf_config.parse_tf_config(json.dumps(no_chief))
+    info = _cluster.parse_tf_config(json.dumps(no_chief))
     assert (info.num_workers, info.rank, info.is_chief) == (2, 0, True)
 
 
 def test_unknown_task_type_in_cluster():
     raw = json.dumps({"cluster": {"boss": ["h:1"]}, "task": {"type": "boss"}})
     with pytest.raises(ValueError, match=r"cluster\.boss"):
-        _tf_config.parse_tf_config(raw)
+        _cluster.parse_tf_config(raw)
 
 
 def test_two_chiefs():
@@ -35,13 +35,13 @@ def test_two_chiefs():
         {"cluster": {"chief": ["h:1", "h:2"]}, "task": {"type": "chief"}}
     )
     with pytest.raises(ValueError, match="at most one chief"):
-        _tf_config.parse_tf_config(raw)
+        _cluster.parse_tf_config(raw)
 
 
 def test_slurm_counts():
     env = {"SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2"}
     with mock.patch.dict("os.environ", env, clear=True):
-        assert _tf_config.slurm_num_tasks() == 4
-        assert _tf_config.slurm_num_nodes() == 2
+        assert _cluster.slurm_num_tasks() == 4
+        assert _cluster.slurm_num_nodes() == 2
     with mock.patch.dict("os.environ", {}, clear=True):
-        assert _tf_config.slurm_num_tasks() == 1
+        assert _cluster.slurm_num_tasks() == 1
