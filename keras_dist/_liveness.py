@@ -215,6 +215,7 @@ class Watch:
         A stopped or silent process is the likeliest cause, then one that
         never started joining its cluster, then one waiting for the others
         to join, then one without steps (the fewer steps, the likelier).
+        One check per kind of problem, in that order.
         """
         now = time.time()
         beat = read(self.heartbeat)
@@ -223,64 +224,89 @@ class Watch:
         state, cpu = process_state(self.pid)
         if state is None and beat is None:
             return None
+        return (
+            self._unresponsive(now, beat, state, cpu)
+            or self._not_joined(now)
+            or self._no_progress(now)
+        )
+
+    def _unresponsive(self, now, beat, state, cpu) -> tuple[int, str] | None:
+        """Stopped (state T), or silent with no CPU use, for too long."""
         stopped = state in ("T", "t")  # as is_stopped
         silent = beat is not None and now - beat["time"] > 3 * INTERVAL
         if not (stopped or silent):
             self.quiet_since = None
-        elif self.quiet_since is None or (
+            return None
+        if self.quiet_since is None or (
             not stopped and cpu is not None and cpu != self.quiet_cpu
         ):
             # Quiet from now on; a silent process that uses CPU is busy (a
             # long call holding Python's lock), not stuck: its window restarts.
             self.quiet_since, self.quiet_cpu = now, cpu
-        elif now - self.quiet_since >= (
-            min(STOPPED_AFTER, self.timeouts.unresponsive) if stopped
-            else self.timeouts.unresponsive
-        ):
-            if stopped:
-                return 0, (
-                    "stopped responding: its process has been stopped "
-                    f"(state {state}: SIGSTOP, or a debugger) for "
-                    f"{now - self.quiet_since:.0f}s"
-                )
+            return None
+        limit = self.timeouts.unresponsive
+        if stopped:
+            limit = min(STOPPED_AFTER, limit)
+        if now - self.quiet_since < limit:
+            return None
+        if stopped:
             return 0, (
-                "stopped responding: no heartbeat"
-                + (" and no CPU use" if cpu is not None else "")
-                + f" for {now - self.quiet_since:.0f}s (process state {state or 'unknown'})"
+                "stopped responding: its process has been stopped "
+                f"(state {state}: SIGSTOP, or a debugger) for "
+                f"{now - self.quiet_since:.0f}s"
             )
+        return 0, (
+            "stopped responding: no heartbeat"
+            + (" and no CPU use" if cpu is not None else "")
+            + f" for {now - self.quiet_since:.0f}s (process state {state or 'unknown'})"
+        )
+
+    def _joined(self) -> bool:
         last = self.last or {}
-        joined = bool(last.get("joined")) or last.get("steps", 0) > 0
+        return bool(last.get("joined")) or last.get("steps", 0) > 0
+
+    def _not_joined(self, now) -> tuple[int, str] | None:
+        """A worker of a multi-worker group that did not join in time."""
         limit = self.timeouts.start
-        if self.multi_worker and limit and not joined and now - self.started > limit:
-            if last.get("joining"):
-                return 2, (
-                    f"never joined the cluster within {limit:g}s (it waited "
-                    "for the other workers to join)"
-                )
-            doing = (
-                "keras_dist was imported, but no multi-worker strategy was "
-                "created" if self.last is not None
-                else "it never even imported keras_dist"
+        if not (self.multi_worker and limit) or self._joined():
+            return None
+        if now - self.started <= limit:
+            return None
+        if (self.last or {}).get("joining"):
+            return 2, (
+                f"never joined the cluster within {limit:g}s (it waited "
+                "for the other workers to join)"
             )
-            return 1, f"never joined the cluster within {limit:g}s ({doing})"
-        limit = self.timeouts.hang
-        if limit and self.last is not None and last.get("active", True) and (
-            joined or last.get("trial")
+        doing = (
+            "keras_dist was imported, but no multi-worker strategy was "
+            "created" if self.last is not None
+            else "it never even imported keras_dist"
+        )
+        return 1, f"never joined the cluster within {limit:g}s ({doing})"
+
+    def _no_progress(self, now) -> tuple[int, str] | None:
+        """A process that makes steps (or runs a trial) and stopped making them."""
+        limit, last = self.timeouts.hang, self.last
+        if not limit or last is None or not last.get("active", True):
+            return None
+        started = (
+            self._joined()
+            or last.get("trial")
             or (not self.multi_worker and last.get("steps", 0) > 0)
-        ):
-            idle = now - float(last.get("progress", now))
-            if idle > limit:
-                steps = last.get("steps", 0)
-                rank = 4 if last.get("in_step") else 3
-                where = (
-                    "inside a step (a collective waits for its peers?)"
-                    if last.get("in_step") else f"at {last.get('where', 'unknown')}"
-                )
-                return rank + steps / 1e9, (
-                    f"made no step for {idle:.0f}s (limit {limit:g}s), {where}; "
-                    + (f"{steps} step(s) before that" if steps else "no step since it joined the cluster")
-                )
-        return None
+        )
+        idle = now - float(last.get("progress", now))
+        if not started or idle <= limit:
+            return None
+        steps = last.get("steps", 0)
+        rank = 4 if last.get("in_step") else 3
+        where = (
+            "inside a step (a collective waits for its peers?)"
+            if last.get("in_step") else f"at {last.get('where', 'unknown')}"
+        )
+        return rank + steps / 1e9, (
+            f"made no step for {idle:.0f}s (limit {limit:g}s), {where}; "
+            + (f"{steps} step(s) before that" if steps else "no step since it joined the cluster")
+        )
 
     def summary(self) -> str:
         last = self.last

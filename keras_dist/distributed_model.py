@@ -357,51 +357,21 @@ class DistributedModel(keras.Model):
                 (x, y, sample_weight), validation_split
             )
             validation_split = 0.0
-        session = _fit_session.FitSession(
-            self,
-            strategy,
-            callbacks,
-            custom_train_step=type(self).train_step is not DistributedModel.train_step,
-        )
-        global_batch = batch_size or _data.static_batch_size(x)
-        num_samples = (
-            int(tf.nest.flatten(x)[0].shape[0]) if _data.is_array_structure(x) else None
-        )
-        session.even_batches = _data.batches_split_evenly(
-            strategy.num_replicas_in_sync, global_batch, num_samples
-        )
-        cursor = _data.DataCursor(
-            _data.input_kind(x), persistent=steps_per_epoch is not None
-        )
-        if cursor.kind != "arrays":
-            num_samples = None
+        session = self._new_session(callbacks, x, batch_size, steps_per_epoch)
+        cursor = session.cursor
         try:
             # Callbacks set up now: a backup to resume from gives the seed.
             session.set_up()
-            dataset, seed = None, None
-            if cursor.kind == "arrays":
-                if shuffle and shuffle != "batch":
-                    seed = (session.resumed or {}).get("data", {}).get("seed")
-                    seed = seed or _collectives.agreed_seed(strategy)
-                dataset = _data.array_dataset(
-                    strategy, x, y, sample_weight, batch_size, shuffle, seed
-                )
-                if dataset is None and shuffle:
-                    cursor.kind = "other"  # Keras' own, unrecorded shuffle
-                cursor.seed = seed
+            x, y, sample_weight, dataset = self._shuffled_input(
+                session, x, y, sample_weight, batch_size, shuffle
+            )
             if dataset is not None:
                 # Shuffled already, with a seed every worker agreed on.
-                x, y, sample_weight, batch_size = dataset, None, None, None
-                shuffle = False
+                batch_size, shuffle = None, False
             if validation_data is not None:
                 validation_data = self._kd_eval_dataset(
                     validation_data, validation_batch_size or batch_size or 32
                 )
-            session.cursor = cursor
-            session.seed = seed
-            session.num_samples = num_samples
-            session.batch_size = global_batch
-            session.steps_per_epoch = steps_per_epoch
             session.dataset = x if isinstance(x, tf.data.Dataset) else None
             self._kd_session = session
             with _scope(strategy), _keras_compat.counting_train_iterator(cursor):
@@ -428,6 +398,52 @@ class DistributedModel(keras.Model):
         finally:
             self._kd_session = None
             session.tear_down()
+
+    def _new_session(self, callbacks, x, batch_size, steps_per_epoch):
+        """The fit session, with what the input tells before any callback runs."""
+        strategy = self._kd_strategy
+        session = _fit_session.FitSession(
+            self,
+            strategy,
+            callbacks,
+            custom_train_step=type(self).train_step is not DistributedModel.train_step,
+        )
+        session.batch_size = batch_size or _data.static_batch_size(x)
+        num_samples = (
+            int(tf.nest.flatten(x)[0].shape[0]) if _data.is_array_structure(x) else None
+        )
+        session.even_batches = _data.batches_split_evenly(
+            strategy.num_replicas_in_sync, session.batch_size, num_samples
+        )
+        session.cursor = _data.DataCursor(
+            _data.input_kind(x), persistent=steps_per_epoch is not None
+        )
+        session.num_samples = num_samples if session.cursor.kind == "arrays" else None
+        session.steps_per_epoch = steps_per_epoch
+        return session
+
+    def _shuffled_input(self, session, x, y, sample_weight, batch_size, shuffle):
+        """Array input as a dataset shuffled with the agreed (or resumed) seed.
+
+        Returns `(x, y, sample_weight, dataset)`; `dataset` is None (and the
+        input unchanged) when keras_dist leaves the input to Keras.
+        """
+        cursor = session.cursor
+        if cursor.kind != "arrays":
+            return x, y, sample_weight, None
+        seed = None
+        if shuffle and shuffle != "batch":
+            seed = (session.resumed or {}).get("data", {}).get("seed")
+            seed = seed or _collectives.agreed_seed(session.strategy)
+        dataset = _data.array_dataset(
+            session.strategy, x, y, sample_weight, batch_size, shuffle, seed
+        )
+        if dataset is None and shuffle:
+            cursor.kind = "other"  # Keras' own, unrecorded shuffle
+        cursor.seed = session.seed = seed
+        if dataset is None:
+            return x, y, sample_weight, None
+        return dataset, None, None, dataset
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):
