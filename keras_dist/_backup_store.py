@@ -150,11 +150,25 @@ def verify(directory: str) -> dict:
         CorruptBackupError: naming the first missing, truncated, altered or
             unparsable file.
     """
+    files = _read_manifest(directory)
+    _check_files(directory, files)
+    array_names = _array_names(os.path.join(directory, "arrays.npz"))
+    state_path = os.path.join(directory, STATE)
+    state = _read_state(state_path)
+    if state.get("format") == FORMAT:  # another format is refused by its reader
+        problem = _state_problem(state, array_names)
+        if problem:
+            raise CorruptBackupError(state_path, problem)
+        _check_checkpoint(os.path.join(directory, "variables"))
+    return state
+
+
+def _read_manifest(directory: str) -> dict:
+    """The manifest's file list: name -> {"bytes", "sha256"}."""
     manifest_path = os.path.join(directory, MANIFEST)
     try:
         with open(manifest_path) as f:
-            manifest = json.load(f)
-        files = manifest["files"]
+            files = json.load(f)["files"]
         if not isinstance(files, dict) or STATE not in files:
             raise ValueError("no file list")
         for name, expected in files.items():
@@ -164,12 +178,22 @@ def verify(directory: str) -> dict:
                 and isinstance(expected.get("sha256"), str)
             ):
                 raise ValueError(f"malformed entry {name!r}: {expected!r}")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CorruptBackupError(manifest_path, f"unreadable manifest ({error})") from None
+    return files
+
+
+def _check_files(directory: str, files: dict) -> None:
+    """Every file on disk is listed, and every listed file is intact."""
+    try:
         on_disk = {
             name for name in os.listdir(directory)
             if name != MANIFEST and os.path.isfile(os.path.join(directory, name))
         }
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise CorruptBackupError(manifest_path, f"unreadable manifest ({error})") from None
+    except OSError as error:
+        raise CorruptBackupError(
+            os.path.join(directory, MANIFEST), f"unreadable manifest ({error})"
+        ) from None
     unlisted = sorted(on_disk - set(files))
     if unlisted:
         raise CorruptBackupError(
@@ -190,17 +214,22 @@ def verify(directory: str) -> dict:
             raise CorruptBackupError(path, f"unreadable ({error})") from None
         if digest != expected["sha256"]:
             raise CorruptBackupError(path, "checksum mismatch (corrupted)")
-    arrays_path = os.path.join(directory, "arrays.npz")
-    array_names: set[str] = set()
-    if os.path.isfile(arrays_path):
-        try:  # plain arrays only: never unpickles
-            with np.load(arrays_path, allow_pickle=False) as arrays:
-                for key in arrays.files:
-                    arrays[key]
-                array_names = set(arrays.files)
-        except (OSError, ValueError) as error:
-            raise CorruptBackupError(arrays_path, f"unreadable arrays ({error})") from None
-    state_path = os.path.join(directory, STATE)
+
+
+def _array_names(arrays_path: str) -> set[str]:
+    """The arrays in `arrays.npz` (each read once), or none without the file."""
+    if not os.path.isfile(arrays_path):
+        return set()
+    try:  # plain arrays only: never unpickles
+        with np.load(arrays_path, allow_pickle=False) as arrays:
+            for key in arrays.files:
+                arrays[key]
+            return set(arrays.files)
+    except (OSError, ValueError) as error:
+        raise CorruptBackupError(arrays_path, f"unreadable arrays ({error})") from None
+
+
+def _read_state(state_path: str) -> dict:
     try:
         with open(state_path) as f:
             state = json.load(f)
@@ -208,11 +237,6 @@ def verify(directory: str) -> dict:
         raise CorruptBackupError(state_path, f"invalid JSON ({error})") from None
     if not isinstance(state, dict):
         raise CorruptBackupError(state_path, f"not a JSON object ({type(state).__name__})")
-    if state.get("format") == FORMAT:  # another format is refused by its reader
-        problem = _state_problem(state, array_names)
-        if problem:
-            raise CorruptBackupError(state_path, problem)
-        _check_checkpoint(os.path.join(directory, "variables"))
     return state
 
 
@@ -221,7 +245,15 @@ def _is_count(value) -> bool:
 
 
 def _state_problem(state: dict, array_names: set[str]) -> str | None:
-    """What is malformed in a format-1 state, or None."""
+    """What is malformed in a format-1 state, or None (one check per section)."""
+    for check in (_position_problem, _data_problem, _variables_problem):
+        problem = check(state)
+        if problem:
+            return problem
+    return _callbacks_problem(state, array_names)
+
+
+def _position_problem(state: dict) -> str | None:
     position = state.get("position")
     if not isinstance(position, dict):
         return "no position"
@@ -230,6 +262,10 @@ def _state_problem(state: dict, array_names: set[str]) -> str | None:
             return f"position {key!r} is {position.get(key)!r}, not a count"
     if not isinstance(position.get("persistent", False), bool):
         return f"position 'persistent' is {position.get('persistent')!r}"
+    return None
+
+
+def _data_problem(state: dict) -> str | None:
     data = state.get("data", {})
     if not isinstance(data, dict) or not (
         data.get("seed") is None or type(data.get("seed")) is int
@@ -238,21 +274,36 @@ def _state_problem(state: dict, array_names: set[str]) -> str | None:
     for key in ("fit", "callbacks"):
         if not isinstance(state.get(key, {}), dict):
             return f"{key!r} is not an object"
+    return None
+
+
+def _is_variable_description(d) -> bool:
+    """[path, shape, dtype]."""
+    return (
+        isinstance(d, list)
+        and len(d) == 3
+        and isinstance(d[0], str)
+        and isinstance(d[1], list)
+        and all(type(n) is int for n in d[1])
+        and isinstance(d[2], str)
+    )
+
+
+def _variables_problem(state: dict) -> str | None:
     variables = state.get("variables")
     if not isinstance(variables, dict):
         return "no variable list"
     for group in ("model", "optimizer"):
         described = variables.get(group)
         if not isinstance(described, list) or not all(
-            isinstance(d, list)
-            and len(d) == 3
-            and isinstance(d[0], str)
-            and isinstance(d[1], list)
-            and all(type(n) is int for n in d[1])
-            and isinstance(d[2], str)
-            for d in described
+            _is_variable_description(d) for d in described
         ):
             return f"malformed variable list {group!r}"
+    return None
+
+
+def _callbacks_problem(state: dict, array_names: set[str]) -> str | None:
+    """Malformed callback states, or `best_weights` arrays they name but lack."""
     needed = []
     for key, values in state.get("callbacks", {}).items():
         if not isinstance(values, dict):

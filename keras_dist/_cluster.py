@@ -82,7 +82,13 @@ def parse_tf_config(raw: str | None = None) -> ClusterInfo | None:
         ) from None
     if not isinstance(config, dict):
         raise _fail("TF_CONFIG", config, "Expected a JSON object.")
-    cluster = config.get("cluster")
+    cluster = _checked_cluster(config.get("cluster"))
+    task_type, task_index = _checked_task(config.get("task"), cluster)
+    return ClusterInfo(cluster=cluster, task_type=task_type, task_index=task_index)
+
+
+def _checked_cluster(cluster) -> dict:
+    """`TF_CONFIG`'s `cluster`: known task types, host:port lists, no address twice."""
     if not isinstance(cluster, dict) or not cluster:
         raise _fail(
             "cluster",
@@ -122,7 +128,11 @@ def parse_tf_config(raw: str | None = None) -> ClusterInfo | None:
         raise _fail(
             "cluster.chief", cluster["chief"], "A job has at most one chief."
         )
-    task = config.get("task")
+    return cluster
+
+
+def _checked_task(task, cluster: dict) -> tuple[str, int]:
+    """`TF_CONFIG`'s `task`: a type of `cluster` and an index within it."""
     if not isinstance(task, dict):
         raise _fail(
             "task",
@@ -149,7 +159,7 @@ def parse_tf_config(raw: str | None = None) -> ClusterInfo | None:
             f"Expected an integer in [0, {len(cluster[task_type])}) for task "
             f"type {task_type!r}.",
         )
-    return ClusterInfo(cluster=cluster, task_type=task_type, task_index=task_index)
+    return task_type, task_index
 
 
 def slurm_num_tasks() -> int:
