@@ -528,8 +528,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        if self._signal_event.is_set():
-            # A second signal: behave as if the callback were not there.
+        if self._signal_event.is_set() or not _inside_fit(frame):
+            # A second signal, or the fit that installed this handler ended
+            # with an exception (Keras calls no hook then): behave as if the
+            # callback were not there.
             self._restore_handlers()
             signal.raise_signal(signum)
             return
@@ -844,6 +846,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         _keras_compat.set_initial_epoch(self.model, None)
         self._selected = None
         self._reset_run()
+
+
+def _inside_fit(frame) -> bool:
+    """Whether Keras' `fit` is on the interrupted thread's stack."""
+    fit = keras.Model.fit.__code__
+    while frame is not None:
+        if frame.f_code is fit:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _bind(skipping, original):

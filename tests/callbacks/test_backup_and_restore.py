@@ -396,6 +396,29 @@ def test_callbacks_listed_after_it_are_saved_after_their_batch_hooks(tmp_path):
     assert resumed.total == 24  # 8 restored + 16 trained
 
 
+def test_a_fit_that_raised_leaves_no_live_signal_handler(tmp_path):
+    """A plain keras.Model's fit that raises never reaches on_train_end:
+    the handler it left behind passes a later signal on to the handler that
+    was there before, instead of swallowing it."""
+    received = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
+    try:
+        model = keras.Sequential([keras.Input((X.shape[1],)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[
+                BackupAndRestore(str(tmp_path / "b"), preemption_signals=[signal.SIGUSR1]),
+                Crash(2),
+            ])
+        signal.raise_signal(signal.SIGUSR1)
+        assert received == [signal.SIGUSR1]
+        assert signal.getsignal(signal.SIGUSR1) is not None
+        signal.raise_signal(signal.SIGUSR1)
+        assert received == [signal.SIGUSR1] * 2
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 def test_sigterm_saves_and_exits_then_resumes(tmp_path):
     backup_dir = str(tmp_path / "b")
     before = signal.getsignal(signal.SIGTERM)
