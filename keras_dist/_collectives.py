@@ -93,11 +93,13 @@ def agreed_seed(strategy: tf.distribute.Strategy) -> int:
 
 
 def broadcast_from_chief(strategy: tf.distribute.Strategy):
-    """A function `int64 vector -> numpy vector` that every worker calls.
+    """A function `vector -> numpy vector` that every worker calls together.
 
-    The chief passes the value, the others zeros of the same shape; each
-    gets the chief's value back (one all-reduce).
+    The chief passes the value, the others zeros of the same shape and
+    dtype; each gets the chief's value back (one all-reduce, to which each
+    worker's first replica contributes).
     """
+    local = len(strategy.extended.worker_devices)
 
     @tf.function
     def broadcast(value):
@@ -106,7 +108,9 @@ def broadcast_from_chief(strategy: tf.distribute.Strategy):
             # (MultiWorkerMirroredStrategy finds no destination for a host
             # tensor passed in).
             context = tf.distribute.get_replica_context()
-            return context.all_reduce("SUM", tf.identity(v))
+            first = tf.equal(context.replica_id_in_sync_group % local, 0)
+            v = tf.where(first, tf.identity(v), tf.zeros_like(v))
+            return context.all_reduce("SUM", v)
 
         return strategy.run(replica_fn, args=(value,))
 

@@ -72,3 +72,15 @@ def run_concurrently(commands: dict, jobs: int = 2, timeout: float = 600,
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {name: pool.submit(run, name, argv) for name, argv in commands.items()}
         return {name: future.result() for name, future in futures.items()}
+
+
+class Crash(keras.callbacks.Callback):
+    """Raises once the optimizer has taken `at` steps: an in-process kill."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.optimizer.iterations.numpy() >= self.at:
+            raise RuntimeError("simulated crash")

@@ -45,3 +45,18 @@ def test_finite_gradients_are_left_alone():
 def test_plain_optimizers_are_untouched():
     g = [tf.constant([np.inf])]
     assert _collectives.agree_on_finite(keras.optimizers.SGD(), g, None) is g
+
+
+def test_broadcast_from_chief_counts_each_worker_once():
+    # One worker with 4 replicas: the value comes back as it went in (each
+    # worker's first replica contributes, not every replica).
+    broadcast = _collectives.broadcast_from_chief(keras_dist.resolve_strategy("mirrored"))
+    np.testing.assert_array_equal(broadcast(np.array([1.5, -2.0], "float32")), [1.5, -2.0])
+    np.testing.assert_array_equal(broadcast(np.array([3.0, 0.0], "float32")), [3.0, 0.0])
+
+
+def test_agreements_on_one_worker_are_the_values_themselves():
+    strategy = keras_dist.resolve_strategy("mirrored")
+    assert _collectives.agree_sum(strategy, [3, 0, 7]) == [3, 0, 7]
+    assert _collectives.agree_any(strategy, [True, False]) == [True, False]
+    assert not _collectives.is_multi_worker(strategy)

@@ -6,8 +6,8 @@ import importlib.util
 import os
 
 import numpy as np
-import tensorflow as tf
 
+from keras_dist import _collectives
 from keras_dist._checks import check_seconds
 from keras_dist.strategy import StrategySpec, resolve_strategy, worker_info
 from keras_dist.tuner import _kt_compat as kt
@@ -248,23 +248,11 @@ class DistributedTuner:
         return kt.Trial(kt.HyperParameters(), status=status)
 
     def _broadcast_code(self, code):
-        strategy = self._trial_strategy
         if self._broadcast_function is None:
-
-            @tf.function
-            def broadcast(value):
-                def replica_fn(v):
-                    # The identity puts the value on the replica's device
-                    # (MultiWorkerMirroredStrategy finds no destination for
-                    # a host tensor passed in).
-                    context = tf.distribute.get_replica_context()
-                    return context.all_reduce("SUM", tf.identity(v))
-
-                return strategy.run(replica_fn, args=(value,))
-
-            self._broadcast_function = broadcast
-        result = self._broadcast_function(tf.constant(code))
-        return strategy.experimental_local_results(result)[0].numpy()
+            self._broadcast_function = _collectives.broadcast_from_chief(
+                self._trial_strategy
+            )
+        return self._broadcast_function(code)
 
 
 def _encode(trial) -> np.ndarray:

@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dist
+from helpers import Crash
 from helpers import max_abs_diff
 from helpers import mlp
 from helpers import regression_data
@@ -46,18 +47,6 @@ def fit_args(source):
         return dict(x=X, y=Y, batch_size=8, shuffle=True)
     ds = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(64, seed=3).batch(8)
     return dict(x=ds)
-
-
-class Crash(keras.callbacks.Callback):
-    """Raises once the optimizer has taken `at` steps: an in-process kill."""
-
-    def __init__(self, at):
-        super().__init__()
-        self.at = at
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.optimizer.iterations.numpy() >= self.at:
-            raise RuntimeError("simulated crash")
 
 
 _REFERENCE = {}

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dist
+from helpers import Crash
 from keras_dist.callbacks import PerReplicaMetrics
 
 # Replica r gets samples with x = 1 and y = r + 1 (4 replicas, batch 4,
@@ -138,18 +139,6 @@ def test_path_arguments_are_checked_at_construction(tmp_path):
         PerReplicaMetrics(log_dir=tmp_path / "file")
 
 
-class CrashAt(keras.callbacks.Callback):
-    """Raises once the optimizer has taken `at` steps: an in-process kill."""
-
-    def __init__(self, at):
-        super().__init__()
-        self.at = at
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.optimizer.iterations.numpy() >= self.at:
-            raise RuntimeError("simulated crash")
-
-
 def test_a_resumed_run_continues_the_step_axis_of_its_csv(tmp_path):
     """get_state/set_state: after a crash and a resume, the CSV holds the
     rows of an uninterrupted run (steps neither restart nor repeat)."""
@@ -161,7 +150,7 @@ def test_a_resumed_run_continues_the_step_axis_of_its_csv(tmp_path):
         zero_model().fit(**data, callbacks=[
             keras_dist.callbacks.BackupAndRestore(backup_dir, save_freq=4),
             PerReplicaMetrics(1, csv_path=path),
-            CrashAt(7),
+            Crash(7),
         ])
     with open(path) as f:
         assert [r["step"] for r in csv.DictReader(f)][-1] == "7"
