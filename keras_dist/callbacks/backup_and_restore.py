@@ -487,14 +487,18 @@ class BackupAndRestore(keras.callbacks.Callback):
                         self._finish_batch()
                     return result
 
+                # Keep a hook set on the instance (LambdaCallback) to put back.
+                self._hooked.append((callback, hook, callback.__dict__.get(hook, _UNSET)))
                 setattr(callback, hook, hooked)
-                self._hooked.append((callback, hook))
         self._deferred = last is not None
 
     def _unhook_siblings(self) -> None:
-        for callback, hook in self._hooked:
-            # The instance attribute shadows the class method; drop it.
-            callback.__dict__.pop(hook, None)
+        for callback, hook, previous in reversed(self._hooked):
+            if previous is _UNSET:
+                # The instance attribute shadows the class method; drop it.
+                callback.__dict__.pop(hook, None)
+            else:
+                callback.__dict__[hook] = previous
         self._hooked = []
         self._deferred = False
 
@@ -846,6 +850,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         _keras_compat.set_initial_epoch(self.model, None)
         self._selected = None
         self._reset_run()
+
+
+_UNSET = object()
 
 
 def _inside_fit(frame) -> bool:

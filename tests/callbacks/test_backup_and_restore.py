@@ -385,6 +385,25 @@ def test_callbacks_listed_after_it_are_saved_after_their_batch_hooks(tmp_path):
     assert resumed.total == 24  # 8 restored + 16 trained
 
 
+def test_lambda_callback_hooks_survive_fits_with_it(tmp_path):
+    """The batch hooks it wraps for a fit are put back as they were,
+    including hooks set on the instance (LambdaCallback)."""
+    seen = []
+    spy = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: seen.append(("begin", batch)),
+        on_train_batch_end=lambda batch, logs: seen.append(("end", batch)),
+    )
+    model = make()
+    for _ in range(2):
+        seen.clear()
+        model.fit(**fit_args("numpy"), epochs=1, verbose=0, callbacks=[
+            BackupAndRestore(str(tmp_path / "b"), save_freq=4), spy])
+        assert seen == [(kind, b) for b in range(8) for kind in ("begin", "end")]
+    seen.clear()
+    model.fit(**fit_args("numpy"), epochs=1, verbose=0, callbacks=[spy])
+    assert len(seen) == 16
+
+
 def test_a_fit_that_raised_leaves_no_live_signal_handler(tmp_path):
     """A plain keras.Model's fit that raises never reaches on_train_end:
     the handler it left behind passes a later signal on to the handler that
