@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import os
 import runpy
+import shutil
 import sys
 
 _USAGE = "usage: python -m keras_dist._tune_run (SCRIPT | -m MODULE) [ARGS...]"
@@ -67,6 +68,25 @@ def _report_trials(start_server):
     return serve
 
 
+def _prepare_chief(init):
+    """Wraps `BaseTuner.__init__` on the chief: `overwrite=True` clears the
+    project directory while the tuner workers, started at the same moment,
+    remove their own state files from it (`worker_overwrite`); keras-tuner's
+    own recursive delete fails on a file that vanishes under it."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        if kwargs.get("overwrite", False):
+            project = os.path.join(
+                str(kwargs.get("directory") or "."),
+                str(kwargs.get("project_name") or "untitled_project"),
+            )
+            shutil.rmtree(project, ignore_errors=True)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
 def _prepare_worker(init, in_group: bool):
     """Wraps `BaseTuner.__init__` on a tuner worker."""
     from keras_dist.tuner.distributed_tuner import DistributedTuner
@@ -108,6 +128,7 @@ def _prepare(role: str, in_group: bool) -> None:
 
         kt.oracle_chief.start_server = _report_trials(kt.oracle_chief.start_server)
         _oracle.serve = _report_trials(_oracle.serve)
+        kt.BaseTuner.__init__ = _prepare_chief(kt.BaseTuner.__init__)
     else:
         kt.BaseTuner.__init__ = _prepare_worker(kt.BaseTuner.__init__, in_group)
         kt.wrap_trial_runs(_active_in_trials)
