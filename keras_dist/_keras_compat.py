@@ -1,4 +1,9 @@
-"""Every touch point of keras_dist on Keras internals lives in this module.
+"""Every touch point of keras_dist on Keras and TensorFlow internals.
+
+No other module reads or writes a private Keras/TF attribute or imports
+`keras.src` (tests/test_keras_compat.py enforces it, and pins each symbol
+listed in `INTERNALS` and `OVERRIDDEN` at the end of this module). What is
+here: accessors to private symbols, and the fixes that need them.
 
 Keras 3's TensorFlow trainer (`keras/src/backend/tensorflow/trainer.py`) has
 bugs that break distributed training; the fixes below replace the affected
