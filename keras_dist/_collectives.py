@@ -8,7 +8,6 @@ that every worker issues in the same order (see STYLE.md, Callbacks):
 - `agreed_seed`: a shuffle seed drawn by the chief, shared by all.
 - `broadcast_from_chief`: an int64 vector from the chief to every worker.
 - `agree_on_finite`: in a replica step, the loss-scale verdict made global.
-- `chief_print`: output from the chief only.
 
 `worker_info` (the public rank description) lives in `keras_dist.strategy`.
 """
@@ -32,12 +31,6 @@ def is_multi_worker(strategy: tf.distribute.Strategy) -> bool:
 
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
     return worker_info(strategy).is_chief
-
-
-def chief_print(strategy: tf.distribute.Strategy, message: str) -> None:
-    """Prints (flushed) on the chief only."""
-    if is_chief(strategy):
-        print(message, flush=True)
 
 
 _AGREE_FUNCTIONS: dict = {}

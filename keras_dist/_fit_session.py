@@ -63,7 +63,7 @@ class FitSession:
       written by the callback that restores (`BackupAndRestore`) during
       `setup_fit`, read by `fit` for the shuffle seed.
     - `cursor` (`_data.DataCursor`): which pass over the training input is
-      current and how far it is consumed; `seed`: the agreed shuffle seed.
+      current and how far it is consumed, and the agreed shuffle seed.
     - `num_samples`, `batch_size` (global), `steps_per_epoch`, `dataset`
       (the training input, when it is a `tf.data.Dataset`).
     - `even_batches`: every batch splits evenly over the replicas.
@@ -83,7 +83,6 @@ class FitSession:
         self.callbacks = list(callbacks or [])
         self.resumed: dict | None = None
         self.cursor = _data.DataCursor("unknown", persistent=False)
-        self.seed: int | None = None
         self.num_samples: int | None = None
         self.batch_size: int | None = None
         self.steps_per_epoch: int | None = None
@@ -206,10 +205,6 @@ class TrainFunctionOverride:
     def __init__(self) -> None:
         self._target = None
         self._original = None
-
-    @property
-    def active(self) -> bool:
-        return self._target is not None
 
     def install(self, model, make: Callable[[Callable], Callable]) -> None:
         self.remove()

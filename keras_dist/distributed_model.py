@@ -440,7 +440,7 @@ class DistributedModel(keras.Model):
         )
         if dataset is None and shuffle:
             cursor.kind = "other"  # Keras' own, unrecorded shuffle
-        cursor.seed = session.seed = seed
+        cursor.seed = seed
         if dataset is None:
             return x, y, sample_weight, None
         return dataset, None, None, dataset

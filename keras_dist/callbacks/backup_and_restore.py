@@ -466,8 +466,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._context.callbacks[-1] is not self
         )
         last = siblings[-1] if siblings and after else None
+        # Begin hooks need hiding only in a resumed run that skips batches.
+        hooks = ("on_train_batch_end",)
+        if self._skip_calls:
+            hooks = ("on_train_batch_begin",) + hooks
         for callback in siblings:
-            for hook in ("on_train_batch_begin", "on_train_batch_end"):
+            for hook in hooks:
                 original = getattr(callback, hook)
                 finish = hook == "on_train_batch_end"
                 tail = finish and callback is last
