@@ -38,7 +38,10 @@ Tested against the Keras versions in `TESTED_KERAS_VERSIONS`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import queue
+import threading
 import warnings
 
 import keras
@@ -119,10 +122,39 @@ def symbolic_build(model, iterator=None, data_batch=None) -> None:
 def reduce_per_replica(values, strategy, reduction: str):
     """Keras' `reduce_per_replica` with scalar-safe multi-worker means (fix 2)."""
     if reduction in ("auto", "mean") and _is_multi_worker(strategy):
-        return tf.nest.map_structure(
-            lambda v: strategy.reduce("MEAN", v, axis=None), values
-        )
+        return _packed_mean(values, strategy)
     return keras_tf_trainer.reduce_per_replica(values, strategy, reduction)
+
+
+def _packed_mean(values, strategy):
+    """The cross-replica mean of every log value, in one collective per dtype.
+
+    A step's logs (loss, each metric) are float scalars: stacked into one
+    vector per dtype, each group costs one all-reduce instead of one per
+    value (every collective is a round trip between the workers). Other
+    values are reduced one by one.
+    """
+    leaves = tf.nest.flatten(values)
+    groups: dict = {}
+    for i, leaf in enumerate(leaves):
+        local = strategy.experimental_local_results(leaf)[0]
+        if local.shape.rank == 0 and local.dtype.is_floating:
+            groups.setdefault(local.dtype, []).append(i)
+    reduced = list(leaves)
+    for indices in groups.values():
+        if len(indices) == 1:
+            continue
+        stacked = strategy.run(
+            lambda *xs: tf.stack(xs), args=tuple(leaves[i] for i in indices)
+        )
+        means = tf.unstack(strategy.reduce("MEAN", stacked, axis=None))
+        for i, mean in zip(indices, means):
+            reduced[i] = mean
+    reduced = [
+        strategy.reduce("MEAN", v, axis=None) if reduced[i] is leaves[i] else v
+        for i, v in enumerate(reduced)
+    ]
+    return tf.nest.pack_sequence_as(values, reduced)
 
 
 # -- TensorFlow runtime and strategies ---------------------------------------
@@ -281,6 +313,88 @@ def global_seed_variables() -> list:
     return [generator.state] if generator is not None else []
 
 
+class _LazyIterator:
+    """An iterator over a `DistributedDataset`, created on first use.
+
+    Keras' epoch iterator creates the next epoch's iterator at the end of
+    every epoch and, without `steps_per_epoch`, creates another at the start
+    of the next one, dropping the first: under multi-worker training each
+    costs ~70 ms to create and more to tear down (its prefetch threads have
+    started). Created lazily, an unused one costs nothing, and `cursor`
+    counts the iterators actually created (each consumes one draw of a
+    seeded shuffle), which is what a resumed run replays.
+    """
+
+    def __init__(self, dataset, cursor):
+        self._dataset = dataset
+        self._cursor = cursor
+        self._iterator = None
+
+    def materialize(self):
+        if self._iterator is None:
+            self._cursor.on_iterator_created()
+            self._iterator = iter(self._dataset)
+        return self._iterator
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.materialize())
+
+    def __del__(self):
+        # Tearing down a distributed iterator that a train function used
+        # blocks for 1-6 s under multi-worker training (measured at every
+        # epoch boundary); done on a background thread, training goes on.
+        iterator = self.__dict__.pop("_iterator", None)
+        if iterator is not None:
+            _release_later(iterator)
+
+    def __getattr__(self, name):
+        return getattr(self.materialize(), name)
+
+
+_RELEASE_QUEUE: "queue.SimpleQueue | None" = None
+_RELEASE_DONE = object()
+
+
+def _release_later(iterator) -> None:
+    """Drops the last reference to `iterator` on a background thread.
+
+    The thread is joined at exit (a teardown cut short by interpreter
+    shutdown aborts the process).
+    """
+    global _RELEASE_QUEUE
+    if _RELEASE_QUEUE is None:
+        _RELEASE_QUEUE = queue.SimpleQueue()
+
+        def release(pending=_RELEASE_QUEUE):
+            while True:
+                item = pending.get()
+                if item is _RELEASE_DONE:
+                    return
+                del item
+
+        thread = threading.Thread(
+            target=release, name="keras_dist-iterator-release", daemon=True
+        )
+        thread.start()
+
+        def finish(pending=_RELEASE_QUEUE):
+            pending.put(_RELEASE_DONE)
+            thread.join(timeout=60)
+
+        atexit.register(finish)
+    _RELEASE_QUEUE.put(iterator)
+
+
+def materialize(iterator):
+    """The real iterator behind one `fit` hands its train function."""
+    if isinstance(iterator, _LazyIterator):
+        return iterator.materialize()
+    return iterator
+
+
 class _CountingDataset:
     """Stands in for the training `DistributedDataset` Keras iterates."""
 
@@ -289,22 +403,28 @@ class _CountingDataset:
         self._cursor = cursor
 
     def __iter__(self):
-        self._cursor.on_iterator_created()
-        return iter(self._dataset)
+        return _LazyIterator(self._dataset, self._cursor)
 
     def __getattr__(self, name):
         return getattr(self._dataset, name)
 
 
 @contextlib.contextmanager
-def counting_train_iterator(cursor):
+def counting_train_iterator(cursor, full_batches: bool = False):
     """Counts the iterators `fit` creates on its training input.
 
     The order of a seeded shuffle (`Dataset.shuffle(seed=...)`) depends on
-    how many iterators were created on the dataset before; Keras' epoch
-    iterator creates them at a version-specific rhythm. Counting them lets a
-    resumed run create the same number before it trains. Only the first
-    `TFEpochIterator` of the `fit` call (the training one) is counted.
+    how many iterators were created on the dataset before. Counting them
+    lets a resumed run create the same number before it trains. Only the
+    first `TFEpochIterator` of the `fit` call (the training one) is counted;
+    its iterators are created on first use (`_LazyIterator`).
+
+    `full_batches=True` declares that every worker gets the same number of
+    batches, each split evenly over the replicas (keras_dist's own array
+    input, `_data.batches_split_evenly`): the distributed dataset is then
+    made without partial-batch handling, which under multi-worker training
+    costs one cross-worker all-reduce per step ("has any worker data
+    left?", `input_lib._calculate_replicas_with_values`).
     """
     if cursor.kind not in ("arrays", "dataset"):
         yield  # generators and PyDatasets cannot be positioned: nothing to count
@@ -313,19 +433,39 @@ def counting_train_iterator(cursor):
     seen = []
 
     def init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        if not seen:
-            seen.append(self)
-            cursor.dataset = self._distributed_dataset
-            self._distributed_dataset = _CountingDataset(
-                self._distributed_dataset, cursor
-            )
+        if seen:
+            return original(self, *args, **kwargs)
+        seen.append(self)
+        strategy = kwargs.get("distribute_strategy") or tf.distribute.get_strategy()
+        with _without_partial_batches(strategy, full_batches):
+            original(self, *args, **kwargs)
+        cursor.dataset = self._distributed_dataset
+        self._distributed_dataset = _CountingDataset(
+            self._distributed_dataset, cursor
+        )
 
     keras_tf_trainer.TFEpochIterator.__init__ = init
     try:
         yield
     finally:
         keras_tf_trainer.TFEpochIterator.__init__ = original
+
+
+_PARTIAL_BATCHES = "experimental_enable_get_next_as_optional"
+
+
+@contextlib.contextmanager
+def _without_partial_batches(strategy, active: bool):
+    """Distributes datasets without partial-batch handling while open."""
+    extended = strategy.extended
+    if not active or not getattr(extended, _PARTIAL_BATCHES, False):
+        yield
+        return
+    setattr(extended, _PARTIAL_BATCHES, False)
+    try:
+        yield
+    finally:
+        setattr(extended, _PARTIAL_BATCHES, True)
 
 
 # -- moving an existing model onto a strategy, in place -----------------------
@@ -547,6 +687,13 @@ INTERNALS = {
     "tensorflow.python.distribute.mirrored_strategy (source)": ("_collective_key_base",),
     "tensorflow.python.distribute.collective_all_reduce_strategy.CollectiveAllReduceExtended": (
         "_in_multi_worker_mode",
+    ),
+    "tensorflow.python.distribute.collective_all_reduce_strategy (source)": (
+        "experimental_enable_get_next_as_optional",
+    ),
+    "tensorflow.python.distribute.input_lib (source)": (
+        "experimental_enable_get_next_as_optional",
+        "_calculate_replicas_with_values",
     ),
     "tensorflow.python.eager.context.Context (source)": (
         "_context_handle",

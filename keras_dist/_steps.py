@@ -74,6 +74,7 @@ def make_function(model, step_function, before_input=None):
 
     def function(iterator):
         _liveness.step_begins()  # for the launcher's hang detection
+        iterator = _keras_compat.materialize(iterator)
         try:
             if isinstance(
                 iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)

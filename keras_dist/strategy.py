@@ -38,6 +38,7 @@ _KEY_STRIDE = 100_000
 _lock = threading.RLock()
 _cache: dict[tuple, tf.distribute.Strategy] = {}
 _mirrored_key_bases: dict[tuple, int] = {}
+_communication: dict[tuple, object] = {}  # the options each strategy was made with
 
 
 def simulate_replicas(num_replicas: int) -> int:
@@ -99,7 +100,15 @@ def simulate_replicas(num_replicas: int) -> int:
     return num_replicas
 
 
-def resolve_strategy(spec: StrategySpec = "auto") -> tf.distribute.Strategy:
+CommunicationSpec = Union[
+    Literal["auto", "ring", "nccl"], tf.distribute.experimental.CommunicationOptions, None
+]
+_COMMUNICATIONS = ("auto", "ring", "nccl")
+
+
+def resolve_strategy(
+    spec: StrategySpec = "auto", *, communication: CommunicationSpec = None
+) -> tf.distribute.Strategy:
     """Returns the `tf.distribute.Strategy` that a request names.
 
     `"auto"` picks, in order: the strategy whose scope is open; a
@@ -114,6 +123,15 @@ def resolve_strategy(spec: StrategySpec = "auto") -> tf.distribute.Strategy:
         spec: One of `"auto"` (default), `"mirrored"`, `"multi_worker"`,
             `"tpu"`, `"default"`, or a ready `tf.distribute.Strategy` (which is
             returned as is).
+        communication: How a `MultiWorkerMirroredStrategy` all-reduces
+            gradients: `"auto"` (the default, also for None): NCCL when the
+            workers have GPUs, ring (gRPC) on CPUs; `"ring"`; `"nccl"`; or a
+            `tf.distribute.experimental.CommunicationOptions` (to also set
+            `bytes_per_pack`, which splits the gradients into packs of that
+            many bytes so that the all-reduce of the first pack overlaps the
+            rest; 0, the default, sends them all in one). Only a multi-worker
+            strategy uses it; it applies when the strategy is created (once
+            per process), and a later request for other options is refused.
 
     Returns:
         A `tf.distribute.Strategy`.
@@ -126,10 +144,14 @@ def resolve_strategy(spec: StrategySpec = "auto") -> tf.distribute.Strategy:
         1
 
     Raises:
-        TypeError: if `spec` is neither a string nor a strategy.
-        ValueError: for an unknown name, or a malformed `TF_CONFIG`.
+        TypeError: if `spec` is neither a string nor a strategy, or
+            `communication` is not one of the accepted kinds.
+        ValueError: for an unknown name, a malformed `TF_CONFIG`, or
+            `communication` options other than those of the multi-worker
+            strategy this process already created.
         RuntimeError: if `"tpu"` is requested and no TPU can be reached.
     """
+    options = _communication_options(communication)
     if isinstance(spec, tf.distribute.Strategy):
         return spec
     if not isinstance(spec, str):
@@ -146,11 +168,11 @@ def resolve_strategy(spec: StrategySpec = "auto") -> tf.distribute.Strategy:
         )
     with _lock:
         if spec == "auto":
-            return _resolve_auto()
+            return _resolve_auto(options)
         if spec == "default":
             return _default_strategy()
         if spec == "multi_worker":
-            return _multi_worker()
+            return _multi_worker(options)
         if spec == "tpu":
             strategy = _tpu(required=True)
             return strategy
@@ -181,7 +203,52 @@ def is_default(strategy: tf.distribute.Strategy) -> bool:
     return strategy is _default_strategy()
 
 
-def _resolve_auto() -> tf.distribute.Strategy:
+def _communication_options(communication: CommunicationSpec):
+    """The `CommunicationOptions` a `communication=` request names (None: default)."""
+    if communication is None or isinstance(
+        communication, tf.distribute.experimental.CommunicationOptions
+    ):
+        return communication
+    if not isinstance(communication, str) or communication not in _COMMUNICATIONS:
+        kind = "value" if isinstance(communication, str) else "type"
+        error = ValueError if isinstance(communication, str) else TypeError
+        raise error(
+            f"Invalid {kind} for argument `communication`. Expected one of "
+            f"{_COMMUNICATIONS}, None or a "
+            "tf.distribute.experimental.CommunicationOptions. Received: "
+            f"communication={communication!r}."
+        )
+    implementation = {
+        "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+        "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+        "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+    }[communication]
+    if communication == "nccl" and not tf.config.list_physical_devices("GPU"):
+        raise ValueError(
+            "Invalid value for argument `communication`: NCCL all-reduces "
+            "between GPUs, and this process sees none. Received: "
+            "communication='nccl'. Use communication='ring' (or 'auto') on CPUs."
+        )
+    if communication == "auto":
+        # Explicit per platform: NCCL between GPUs, ring (gRPC) between CPUs.
+        gpus = tf.config.list_physical_devices("GPU")
+        implementation = (
+            tf.distribute.experimental.CommunicationImplementation.NCCL
+            if gpus
+            else tf.distribute.experimental.CommunicationImplementation.RING
+        )
+    return tf.distribute.experimental.CommunicationOptions(
+        implementation=implementation
+    )
+
+
+def _options_key(options) -> tuple:
+    if options is None:
+        options = _communication_options("auto")
+    return (options.implementation, options.bytes_per_pack, options.timeout_seconds)
+
+
+def _resolve_auto(options=None) -> tf.distribute.Strategy:
     if tf.distribute.has_strategy():
         return tf.distribute.get_strategy()
     # Decide from the environment first: MultiWorkerMirroredStrategy must be
@@ -194,9 +261,9 @@ def _resolve_auto() -> tf.distribute.Strategy:
         if strategy is not None:
             return strategy
     if cluster is not None and cluster.num_workers > 1:
-        return _multi_worker()
+        return _multi_worker(options)
     if cluster is None and _cluster.slurm_num_tasks() > 1:
-        return _multi_worker()
+        return _multi_worker(options)
     devices = _local_devices()
     if len(devices) > 1:
         return _mirrored(devices)
@@ -228,9 +295,22 @@ def _mirrored(devices: tuple[str, ...]) -> tf.distribute.Strategy:
     return _cache[key]
 
 
-def _multi_worker() -> tf.distribute.Strategy:
+def _multi_worker(options=None) -> tf.distribute.Strategy:
     key = ("multi_worker",)
+    if key in _cache:
+        created = _options_key(_communication[key])
+        if options is not None and _options_key(options) != created:
+            raise ValueError(
+                "Invalid value for argument `communication`: this process "
+                "already created its MultiWorkerMirroredStrategy with "
+                f"implementation={created[0].name}, bytes_per_pack={created[1]} "
+                "(a process can create only one). Received: "
+                f"implementation={options.implementation.name}, "
+                f"bytes_per_pack={options.bytes_per_pack}. Pass the same "
+                "options, or None, in every resolve_strategy call."
+            )
     if key not in _cache:
+        options = options or _communication_options("auto")
         cluster = _cluster.parse_tf_config()
         if cluster is None and _cluster.slurm_num_tasks() > 1:
             resolver = tf.distribute.cluster_resolver.SlurmClusterResolver()
@@ -240,8 +320,9 @@ def _multi_worker() -> tf.distribute.Strategy:
         _liveness.joining()
         try:
             _cache[key] = tf.distribute.MultiWorkerMirroredStrategy(
-                cluster_resolver=resolver
+                cluster_resolver=resolver, communication_options=options
             )
+            _communication[key] = options
         except RuntimeError as e:
             if "program startup" not in str(e):
                 raise

@@ -26,7 +26,10 @@ def test_top_level_names():
 
 
 def test_signatures():
-    assert signature(keras_dist.resolve_strategy) == "(spec: 'StrategySpec' = 'auto') -> 'tf.distribute.Strategy'"
+    assert signature(keras_dist.resolve_strategy) == (
+        "(spec: 'StrategySpec' = 'auto', *, communication: 'CommunicationSpec' = None) "
+        "-> 'tf.distribute.Strategy'"
+    )
     assert signature(keras_dist.simulate_replicas) == "(num_replicas: 'int') -> 'int'"
     assert signature(keras_dist.worker_info) == (
         "(strategy: 'StrategySpec | None' = None) -> 'WorkerInfo'"
