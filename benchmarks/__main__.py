@@ -32,7 +32,10 @@ SCENARIOS = {
     6: "model_parallel_step",
     7: "tuner_walltime",
     8: "mixed_precision",
+    9: "tf_keras_multi_worker",
 }
+# Scenarios whose jobs take `--gpu` (one GPU per process, NCCL, mixed_float16).
+GPU_SCENARIOS = {3, 9}
 
 
 def machine() -> dict:
@@ -100,6 +103,9 @@ def main(argv=None) -> int:
                         help="timed rounds per variant (default: each scenario's)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="scenarios run side by side (default: 2 with --quick, else 1)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="scenarios 3 and 9 with one GPU per process (NCCL all-reduce, "
+                             "mixed_float16) instead of CPU cores")
     parser.add_argument("--out", default=os.path.join(_common.ROOT, "benchmarks", "results"),
                         help="directory for results.md and results.json")
     args = parser.parse_args(argv)
@@ -130,6 +136,7 @@ def main(argv=None) -> int:
             command = [sys.executable, "-m", f"benchmarks.{name}", "--json", path]
             command += ["--quick"] if args.quick else []
             command += ["--repeats", str(args.repeats)] if args.repeats else []
+            command += ["--gpu"] if args.gpu and number in GPU_SCENARIOS else []
             start = time.perf_counter()
             print(f"[{number}/{len(SCENARIOS)}] {name}: started at "
                   f"{time.strftime('%H:%M:%S')}", flush=True)

@@ -107,7 +107,7 @@ def build(strategy):
 class Clock(keras.callbacks.Callback):
     def __init__(self):
         super().__init__()
-        self.begins, self.ends, self.epoch_ends, self.epoch_begins = [], [], [], []
+        self.begins, self.ends, self.epoch_ends = [], [], []
 
     def on_train_batch_begin(self, batch, logs=None):
         self.begins.append(time.perf_counter())
@@ -117,9 +117,6 @@ class Clock(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.epoch_ends.append(time.perf_counter())
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch_begins.append(time.perf_counter())
 
 
 if args.framework == "keras_dist":
@@ -159,9 +156,4 @@ print("RESULT " + json.dumps({
     "samples_per_second": timed_steps * args.batch / seconds,
     "median_step_s": steps[len(steps) // 2],
     "loss": float(history.history["loss"][-1]),
-    "gap_median_s": statistics.median(
-        b - e for b, e in zip(clock.begins[1:], clock.ends[:-1])),
-    "gap_max_s": max(b - e for b, e in zip(clock.begins[1:], clock.ends[:-1])),
-    "boundaries": [(round(clock.epoch_ends[k] - clock.ends[(k + 1) * args.steps - 1], 3), round(clock.epoch_begins[k + 1] - clock.epoch_ends[k], 3), round(clock.begins[(k + 1) * args.steps] - clock.epoch_begins[k + 1], 3)) for k in range(args.epochs - 1)],
-    "gaps": [(i, round(b - e, 3)) for i, (b, e) in enumerate(zip(clock.begins[1:], clock.ends[:-1])) if b - e > 0.02],
 }), flush=True)

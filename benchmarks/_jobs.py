@@ -197,3 +197,16 @@ def threads_note(n: int, gpu: bool) -> str:
     if threads == 1 and hasattr(os, "sched_setaffinity"):
         note += ", and is pinned to the core of its rank"
     return note + ". Jobs alternate (A B C A B C ...)."
+
+
+def check_gpus(n: int) -> None:
+    """With `--gpu`: each of the n processes needs a GPU of its own."""
+    import shutil
+
+    smi = shutil.which("nvidia-smi")
+    listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30,
+                            check=False).stdout if smi else ""
+    gpus = sum(line.startswith("GPU ") for line in listed.splitlines())
+    if gpus < n:
+        sys.exit(f"--gpu runs one process per GPU and needs {n} GPUs; nvidia-smi lists "
+                 f"{gpus}. Run without --gpu to measure on the CPU cores.")

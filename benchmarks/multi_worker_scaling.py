@@ -15,6 +15,8 @@ ONE, TWO, CEILING = "1 worker", "2 workers (keras-dist launch)", "ceiling: 2 ind
 
 def run(args) -> dict:
     plan = _jobs.plan(args)
+    if args.gpu:
+        _jobs.check_gpus(2)
     variants = {
         ONE: lambda: _jobs.keras_dist(1, plan, args.gpu),
         TWO: lambda: _jobs.keras_dist(2, plan, args.gpu),

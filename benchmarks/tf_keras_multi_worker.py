@@ -17,6 +17,8 @@ KD, TFK, CEILING = ("keras_dist, 2 workers", "tf-keras (Keras 2), 2 workers",
 
 def run(args) -> dict:
     plan = _jobs.plan(args)
+    if args.gpu:
+        _jobs.check_gpus(2)
     _jobs.tf_keras_python()  # created before the first timed job
     variants = {
         KD: lambda: _jobs.keras_dist(2, plan, args.gpu),

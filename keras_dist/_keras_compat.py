@@ -321,8 +321,8 @@ class _LazyIterator:
     of the next one, dropping the first: under multi-worker training each
     costs ~70 ms to create and more to tear down (its prefetch threads have
     started). Created lazily, an unused one costs nothing, and `cursor`
-    counts the iterators actually created (each consumes one draw of a
-    seeded shuffle), which is what a resumed run replays.
+    (if any) counts the iterators actually created (each consumes one draw
+    of a seeded shuffle), which is what a resumed run replays.
     """
 
     def __init__(self, dataset, cursor):
@@ -332,7 +332,8 @@ class _LazyIterator:
 
     def materialize(self):
         if self._iterator is None:
-            self._cursor.on_iterator_created()
+            if self._cursor is not None:
+                self._cursor.on_iterator_created()
             self._iterator = iter(self._dataset)
         return self._iterator
 
@@ -373,6 +374,8 @@ def _release_later(iterator) -> None:
                 item = pending.get()
                 if item is _RELEASE_DONE:
                     return
+                if isinstance(item, threading.Event):
+                    item.set()  # wait_for_released_iterators
                 del item
 
         thread = threading.Thread(
@@ -388,6 +391,15 @@ def _release_later(iterator) -> None:
     _RELEASE_QUEUE.put(iterator)
 
 
+def wait_for_released_iterators(timeout: float = 60.0) -> None:
+    """Returns once every iterator handed to the release thread is released."""
+    if _RELEASE_QUEUE is None:
+        return
+    done = threading.Event()
+    _RELEASE_QUEUE.put(done)
+    done.wait(timeout)
+
+
 def materialize(iterator):
     """The real iterator behind one `fit` hands its train function."""
     if isinstance(iterator, _LazyIterator):
@@ -395,10 +407,10 @@ def materialize(iterator):
     return iterator
 
 
-class _CountingDataset:
-    """Stands in for the training `DistributedDataset` Keras iterates."""
+class _LazyDataset:
+    """Stands in for a `DistributedDataset` Keras iterates: lazy iterators."""
 
-    def __init__(self, dataset, cursor):
+    def __init__(self, dataset, cursor=None):
         self._dataset = dataset
         self._cursor = cursor
 
@@ -410,38 +422,40 @@ class _CountingDataset:
 
 
 @contextlib.contextmanager
-def counting_train_iterator(cursor, full_batches: bool = False):
-    """Counts the iterators `fit` creates on its training input.
+def lean_epoch_iterators(cursor=None, full_batches: bool = False):
+    """Keras' epoch iterators without their per-epoch and per-step waste.
 
-    The order of a seeded shuffle (`Dataset.shuffle(seed=...)`) depends on
-    how many iterators were created on the dataset before. Counting them
-    lets a resumed run create the same number before it trains. Only the
-    first `TFEpochIterator` of the `fit` call (the training one) is counted;
-    its iterators are created on first use (`_LazyIterator`).
+    While open, every `TFEpochIterator` Keras makes (the input of `fit`,
+    `evaluate`, `predict`, and `fit`'s validation data) hands out iterators
+    created on first use and released on a background thread
+    (`_LazyIterator`). The first one made is the call's own input:
 
-    `full_batches=True` declares that every worker gets the same number of
-    batches, each split evenly over the replicas (keras_dist's own array
-    input, `_data.batches_split_evenly`): the distributed dataset is then
-    made without partial-batch handling, which under multi-worker training
-    costs one cross-worker all-reduce per step ("has any worker data
-    left?", `input_lib._calculate_replicas_with_values`).
+    - `cursor` (optional) counts the iterators created on it. The order of
+      a seeded shuffle (`Dataset.shuffle(seed=...)`) depends on how many
+      iterators were created on the dataset before; counting them lets a
+      resumed run create the same number before it trains.
+    - `full_batches=True` declares that every worker gets the same number
+      of batches, each split evenly over the replicas (keras_dist's own
+      array input, `_data.batches_split_evenly`): it is then distributed
+      without partial-batch handling, which under multi-worker training
+      costs one cross-worker all-reduce per step ("has any worker data
+      left?", `input_lib._calculate_replicas_with_values`).
     """
-    if cursor.kind not in ("arrays", "dataset"):
-        yield  # generators and PyDatasets cannot be positioned: nothing to count
-        return
     original = keras_tf_trainer.TFEpochIterator.__init__
     seen = []
 
     def init(self, *args, **kwargs):
-        if seen:
-            return original(self, *args, **kwargs)
-        seen.append(self)
+        first = not seen
+        seen.append(True)
         strategy = kwargs.get("distribute_strategy") or tf.distribute.get_strategy()
-        with _without_partial_batches(strategy, full_batches):
+        with _without_partial_batches(strategy, first and full_batches):
             original(self, *args, **kwargs)
-        cursor.dataset = self._distributed_dataset
-        self._distributed_dataset = _CountingDataset(
-            self._distributed_dataset, cursor
+        if isinstance(self._distributed_dataset, _LazyDataset):
+            return  # made inside an enclosing call's context (nested calls)
+        if first and cursor is not None:
+            cursor.dataset = self._distributed_dataset
+        self._distributed_dataset = _LazyDataset(
+            self._distributed_dataset, cursor if first else None
         )
 
     keras_tf_trainer.TFEpochIterator.__init__ = init

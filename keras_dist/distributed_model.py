@@ -404,8 +404,10 @@ class DistributedModel(keras.Model):
             # number of batches; split evenly, they need no per-step check
             # for data left on other workers.
             full_batches = dataset is not None and session.even_batches
-            with _scope(strategy), _keras_compat.counting_train_iterator(
-                cursor, full_batches=full_batches
+            # Generators and PyDatasets cannot be positioned: nothing to count.
+            counted = cursor if cursor.kind in ("arrays", "dataset") else None
+            with _scope(strategy), _keras_compat.lean_epoch_iterators(
+                counted, full_batches=full_batches
             ):
                 return super().fit(
                     x=x,
@@ -526,6 +528,7 @@ class DistributedModel(keras.Model):
     ):
         """`keras.Model.evaluate`, plus `per_replica_batch_size=`."""
         strategy = self._kd_strategy
+        full_batches = False
         if not kwargs.get("_use_cached_eval_dataset", False):
             _input_checks.check_inputs(self, x, y, sample_weight)
         x = _data.protect_python_batches(strategy, x)
@@ -537,8 +540,15 @@ class DistributedModel(keras.Model):
                 strategy, x, y, sample_weight, batch_size, False, None
             )
             if dataset is not None:
+                full_batches = _data.batches_split_evenly(
+                    strategy.num_replicas_in_sync,
+                    batch_size,
+                    int(tf.nest.flatten(x)[0].shape[0]),
+                )
                 x, y, sample_weight, batch_size = dataset, None, None, None
-        with _scope(strategy):
+        with _scope(strategy), _keras_compat.lean_epoch_iterators(
+            full_batches=full_batches
+        ):
             return super().evaluate(
                 x=x,
                 y=y,
@@ -574,7 +584,7 @@ class DistributedModel(keras.Model):
         dataset = _data.array_dataset(strategy, x, None, None, batch_size, False, None)
         if dataset is not None:
             x, batch_size = dataset, None
-        with _scope(strategy):
+        with _scope(strategy), _keras_compat.lean_epoch_iterators():
             outputs = super().predict(
                 x,
                 batch_size=batch_size,

@@ -115,3 +115,20 @@ def test_failing_worker_shows_every_output(tmp_path):
     message = str(info.value)
     assert "worker 0" in message and "worker 1" in message
     assert "unknown scenario" in message
+
+
+@pytest.mark.parametrize("n, even", [(64, True), (69, False)], ids=["even", "uneven"])
+def test_one_iterator_per_epoch_and_no_data_check_when_batches_are_full(tmp_path, n, even):
+    # Keras creates a spare iterator at every epoch end; keras_dist creates
+    # the ones it uses (3 epochs: 3). Arrays whose every batch splits evenly
+    # need no per-step "any data left?" all-reduce; a last batch of 69 % 16
+    # = 5 samples does (a worker may get none).
+    run_workers(WORKER, ["lean", str(tmp_path / "mw"), f"n={n}"])
+    ref = single_device(tmp_path / "ref", ["lean", f"n={n}"])
+    for rank in (0, 1):
+        got = np.load(tmp_path / "mw" / f"rank{rank}.npz")
+        assert got["checks"].tolist() == [not even] * 3
+        np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
+        np.testing.assert_allclose(got["mae"], ref["mae"], rtol=1e-5)
+        for key in sorted(k for k in ref.files if k.startswith("w")):
+            np.testing.assert_allclose(got[key], ref[key], atol=TOL, err_msg=key)

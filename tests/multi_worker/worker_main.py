@@ -187,6 +187,31 @@ elif scenario == "agree":
 
     results["sum"] = np.array(_collectives.agree_sum(strategy, [rank + 1, 10 * (rank + 1)]))
 
+elif scenario == "lean":
+    # What fit creates per epoch: the training input's distributed
+    # iterators, and whether each checks every step for data left on the
+    # other workers (partial-batch handling).
+    from tensorflow.python.distribute import input_lib
+
+    created = []
+    original_iter = input_lib.DistributedDataset.__iter__
+
+    def counting_iter(self):
+        created.append(bool(self._enable_get_next_as_optional))
+        return original_iter(self)
+
+    input_lib.DistributedDataset.__iter__ = counting_iter
+    n = int(opts.get("n", 64))
+    x, y = data(n=n)
+    model = build(False)
+    model.compile("adam", "mse", metrics=["mae"])
+    history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    results["checks"] = np.array(created)
+    results["loss"] = np.array(history.history["loss"])
+    results["mae"] = np.array(history.history["mae"])
+    for i, w in enumerate(model.get_weights()):
+        results[f"w{i}"] = w
+
 else:
     raise SystemExit(f"unknown scenario {scenario!r}")
 

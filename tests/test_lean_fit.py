@@ -1,0 +1,144 @@
+"""What `fit` does per step and per epoch, beyond the math: packed log
+reductions, iterators created only when used and released off the training
+thread, compiled agreements (speed is measured in benchmarks/, never here)."""
+
+import gc
+import weakref
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_dist
+from keras_dist import _keras_compat
+
+
+def _replica_logs():
+    context = tf.distribute.get_replica_context()
+    r = tf.cast(context.replica_id_in_sync_group, tf.float32)
+    return {
+        "loss": r + 1.0,
+        "accuracy": r * 2.0,
+        "precise": tf.cast(r, tf.float64) / 3.0,
+        "vector": tf.stack([r, r + 1.0]),
+    }
+
+
+def _reduce_ops(graph) -> int:
+    return sum("Collective" in op.type or "NcclAllReduce" in op.type or op.type == "AddN"
+               for op in graph.get_operations())
+
+
+def test_log_means_are_packed_into_one_reduction_per_dtype():
+    strategy = keras_dist.resolve_strategy("mirrored")
+    replicas = strategy.num_replicas_in_sync
+    assert replicas == 4
+
+    @tf.function
+    def packed():
+        return _keras_compat._packed_mean(strategy.run(_replica_logs), strategy)
+
+    @tf.function
+    def one_by_one():
+        return tf.nest.map_structure(
+            lambda v: strategy.reduce("MEAN", v, axis=None), strategy.run(_replica_logs)
+        )
+
+    got, want = packed(), one_by_one()
+    assert set(got) == set(want)
+    for key in want:
+        assert got[key].dtype == want[key].dtype, key
+        np.testing.assert_allclose(got[key].numpy(), want[key].numpy(), rtol=1e-7)
+    np.testing.assert_allclose(got["loss"].numpy(), np.mean(np.arange(replicas) + 1.0))
+    # loss + accuracy (float32) share one reduction; float64 and the vector
+    # keep their own: 3 instead of 4.
+    packed_ops = _reduce_ops(packed.get_concrete_function().graph)
+    plain_ops = _reduce_ops(one_by_one.get_concrete_function().graph)
+    assert plain_ops > 0
+    assert packed_ops * 4 == plain_ops * 3, (packed_ops, plain_ops)
+
+
+def _model():
+    model = keras_dist.distribute(
+        keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)]),
+        strategy="mirrored",
+    )
+    model.compile("sgd", "mse", metrics=["mae"])
+    return model
+
+
+def test_fit_creates_the_iterators_it_uses_and_releases_them(monkeypatch):
+    # Keras' epoch iterator makes a spare iterator at the end of every epoch
+    # (dropped unused at the next epoch's start): keras_dist creates an
+    # iterator when its first batch is read, one per epoch here, and every
+    # one of them is released once fit no longer uses it.
+    from tensorflow.python.distribute import input_lib
+
+    created = []
+    original = input_lib.DistributedDataset.__iter__
+
+    def counting_iter(self):
+        iterator = original(self)
+        created.append(weakref.ref(iterator))
+        return iterator
+
+    monkeypatch.setattr(input_lib.DistributedDataset, "__iter__", counting_iter)
+    x = np.random.rand(64, 3).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    model = _model()
+    for shuffle in (True, False):
+        created.clear()
+        history = model.fit(x, y, batch_size=16, epochs=3, shuffle=shuffle, verbose=0)
+        assert len(history.history["loss"]) == 3
+        assert len(created) == 3, (shuffle, len(created))
+        _keras_compat.wait_for_released_iterators()
+        gc.collect()
+        assert all(ref() is None for ref in created)
+
+
+def test_keras_models_inside_the_fit_keep_their_iterators():
+    # The lazy iterator stands in only for the training input of a
+    # DistributedModel.fit; evaluate, predict and plain Keras are untouched.
+    x = np.random.rand(32, 3).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    model = _model()
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=(x, y))
+    assert len(model.predict(x, batch_size=8, verbose=0)) == 32
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    plain.compile("sgd", "mse")
+    plain.fit(x, y, batch_size=8, epochs=2, verbose=0)
+
+
+def test_evaluate_and_predict_release_their_iterators_too(monkeypatch):
+    from tensorflow.python.distribute import input_lib
+
+    created = []
+    original = input_lib.DistributedDataset.__iter__
+
+    def counting_iter(self):
+        iterator = original(self)
+        created.append(weakref.ref(iterator))
+        return iterator
+
+    monkeypatch.setattr(input_lib.DistributedDataset, "__iter__", counting_iter)
+    x = np.random.rand(40, 3).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    model = _model()
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=(x, y))
+    # 2 training epochs + 2 validation runs: no spare iterators.
+    assert len(created) == 4
+
+    class EvaluateEachEpoch(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.evaluate(x, y, batch_size=8, verbose=0)
+
+    created.clear()
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[EvaluateEachEpoch()])
+    assert len(created) == 4  # nested calls: still one iterator per pass
+    created.clear()
+    model.evaluate(x, y, batch_size=8, verbose=0)
+    model.predict(x, batch_size=8, verbose=0)
+    assert len(created) == 2
+    _keras_compat.wait_for_released_iterators()
+    gc.collect()
+    assert all(ref() is None for ref in created)
