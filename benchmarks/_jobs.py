@@ -148,13 +148,21 @@ def plan(args, steps: int = 30, epochs: int = 4, fits: int = 5) -> dict:
     return {"steps": args.steps, "epochs": epochs, "fits": fits, "batch": args.batch}
 
 
-def rounds(variants: dict, count: int) -> dict:
-    """Runs each variant's job in turn, `count` rounds: {name: [result, ...]}."""
+def measure(args, variants: dict) -> tuple[dict, dict]:
+    """Runs the variants' jobs in turn, round after round.
+
+    `variants` maps a row name to `job(plan, gpu) -> result` (e.g.
+    `functools.partial(keras_dist, 2)`). Returns `(plan, {name: [result,
+    ...]})`.
+    """
+    job_plan = plan(args)
+    if args.gpu:
+        check_gpus(2)
     results = {name: [] for name in variants}
-    for _ in range(count):
+    for _ in range(_common.repeats(args, 3, quick=1)):
         for name, job in variants.items():
-            results[name].append(job())
-    return results
+            results[name].append(job(job_plan, args.gpu))
+    return job_plan, results
 
 
 def rows(results: dict) -> list[dict]:

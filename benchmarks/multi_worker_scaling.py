@@ -8,21 +8,19 @@ by a callback) and per-`fit` start-up (short `fit` calls, their time
 outside the steps); see `_jobs.py` and `_fit_worker.py`.
 """
 
+import functools
+
 from benchmarks import _common, _jobs
 
 ONE, TWO, CEILING = "1 worker", "2 workers (keras-dist launch)", "ceiling: 2 independent processes"
 
 
 def run(args) -> dict:
-    plan = _jobs.plan(args)
-    if args.gpu:
-        _jobs.check_gpus(2)
-    variants = {
-        ONE: lambda: _jobs.keras_dist(1, plan, args.gpu),
-        TWO: lambda: _jobs.keras_dist(2, plan, args.gpu),
-        CEILING: lambda: _jobs.ceiling(2, plan, args.gpu),
-    }
-    results = _jobs.rounds(variants, _common.repeats(args, 3, quick=1))
+    plan, results = _jobs.measure(args, {
+        ONE: functools.partial(_jobs.keras_dist, 1),
+        TWO: functools.partial(_jobs.keras_dist, 2),
+        CEILING: functools.partial(_jobs.ceiling, 2),
+    })
     return {
         "id": 3, "name": "multi_worker_scaling",
         "title": "Multi-worker data parallelism: 2 launched workers vs the ceiling and 1 worker",

@@ -9,6 +9,8 @@ ceiling (2 independent processes with half the batch each, no
 communication) is measured alongside.
 """
 
+import functools
+
 from benchmarks import _common, _jobs
 
 KD, TFK, CEILING = ("keras_dist, 2 workers", "tf-keras (Keras 2), 2 workers",
@@ -16,16 +18,12 @@ KD, TFK, CEILING = ("keras_dist, 2 workers", "tf-keras (Keras 2), 2 workers",
 
 
 def run(args) -> dict:
-    plan = _jobs.plan(args)
-    if args.gpu:
-        _jobs.check_gpus(2)
     _jobs.tf_keras_python()  # created before the first timed job
-    variants = {
-        KD: lambda: _jobs.keras_dist(2, plan, args.gpu),
-        TFK: lambda: _jobs.tf_keras(2, plan, args.gpu),
-        CEILING: lambda: _jobs.ceiling(2, plan, args.gpu),
-    }
-    results = _jobs.rounds(variants, _common.repeats(args, 3, quick=1))
+    plan, results = _jobs.measure(args, {
+        KD: functools.partial(_jobs.keras_dist, 2),
+        TFK: functools.partial(_jobs.tf_keras, 2),
+        CEILING: functools.partial(_jobs.ceiling, 2),
+    })
     return {
         "id": 9, "name": "tf_keras_multi_worker",
         "title": "keras_dist vs tf-keras (Keras 2) on the same 2-worker job",

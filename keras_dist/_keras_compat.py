@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import queue
 import threading
 import warnings
@@ -389,6 +390,15 @@ def _release_later(iterator) -> None:
 
         atexit.register(finish)
     _RELEASE_QUEUE.put(iterator)
+
+
+def _forget_release_thread() -> None:
+    global _RELEASE_QUEUE
+    _RELEASE_QUEUE = None  # a forked child starts its own thread when needed
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_release_thread)
 
 
 def wait_for_released_iterators(timeout: float = 60.0) -> None:

@@ -7,6 +7,7 @@ import weakref
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import keras_dist
@@ -67,22 +68,28 @@ def _model():
     return model
 
 
-def test_fit_creates_the_iterators_it_uses_and_releases_them(monkeypatch):
-    # Keras' epoch iterator makes a spare iterator at the end of every epoch
-    # (dropped unused at the next epoch's start): keras_dist creates an
-    # iterator when its first batch is read, one per epoch here, and every
-    # one of them is released once fit no longer uses it.
+@pytest.fixture
+def created(monkeypatch):
+    """Weak references to every iterator made over a distributed dataset."""
     from tensorflow.python.distribute import input_lib
 
-    created = []
+    refs = []
     original = input_lib.DistributedDataset.__iter__
 
     def counting_iter(self):
         iterator = original(self)
-        created.append(weakref.ref(iterator))
+        refs.append(weakref.ref(iterator))
         return iterator
 
     monkeypatch.setattr(input_lib.DistributedDataset, "__iter__", counting_iter)
+    return refs
+
+
+def test_fit_creates_the_iterators_it_uses_and_releases_them(created):
+    # Keras' epoch iterator makes a spare iterator at the end of every epoch
+    # (dropped unused at the next epoch's start): keras_dist creates an
+    # iterator when its first batch is read, one per epoch here, and every
+    # one of them is released once fit no longer uses it.
     x = np.random.rand(64, 3).astype("float32")
     y = x.sum(axis=1, keepdims=True)
     model = _model()
@@ -109,18 +116,7 @@ def test_keras_models_inside_the_fit_keep_their_iterators():
     plain.fit(x, y, batch_size=8, epochs=2, verbose=0)
 
 
-def test_evaluate_and_predict_release_their_iterators_too(monkeypatch):
-    from tensorflow.python.distribute import input_lib
-
-    created = []
-    original = input_lib.DistributedDataset.__iter__
-
-    def counting_iter(self):
-        iterator = original(self)
-        created.append(weakref.ref(iterator))
-        return iterator
-
-    monkeypatch.setattr(input_lib.DistributedDataset, "__iter__", counting_iter)
+def test_evaluate_and_predict_release_their_iterators_too(created):
     x = np.random.rand(40, 3).astype("float32")
     y = x.sum(axis=1, keepdims=True)
     model = _model()
