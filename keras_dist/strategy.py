@@ -104,6 +104,8 @@ CommunicationSpec = Union[
     Literal["auto", "ring", "nccl"], tf.distribute.experimental.CommunicationOptions, None
 ]
 _COMMUNICATIONS = ("auto", "ring", "nccl")
+# `CommunicationOptions(...)` returns an object of another (internal) class.
+_OPTIONS_TYPE = type(tf.distribute.experimental.CommunicationOptions())
 
 
 def resolve_strategy(
@@ -205,9 +207,7 @@ def is_default(strategy: tf.distribute.Strategy) -> bool:
 
 def _communication_options(communication: CommunicationSpec):
     """The `CommunicationOptions` a `communication=` request names (None: default)."""
-    if communication is None or isinstance(
-        communication, tf.distribute.experimental.CommunicationOptions
-    ):
+    if communication is None or isinstance(communication, _OPTIONS_TYPE):
         return communication
     if not isinstance(communication, str) or communication not in _COMMUNICATIONS:
         kind = "value" if isinstance(communication, str) else "type"

@@ -191,3 +191,25 @@ def test_explicit_tpu_without_a_tpu_says_how_to_fix():
     ):
         with pytest.raises(RuntimeError, match='strategy="tpu".*TPU_NAME'):
             keras_dist.resolve_strategy("tpu")
+
+
+def test_communication_options_are_checked_before_anything_starts():
+    import tensorflow as tf
+
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING,
+        bytes_per_pack=1 << 20,
+    )
+    # Accepted (single-process strategies ignore them).
+    assert keras_dist.resolve_strategy("default", communication=options) is (
+        keras_dist.resolve_strategy("default")
+    )
+    assert keras_dist.resolve_strategy("mirrored", communication="ring") is (
+        keras_dist.resolve_strategy("mirrored")
+    )
+    with pytest.raises(ValueError, match=r"Received: communication='grpc'"):
+        keras_dist.resolve_strategy("auto", communication="grpc")
+    with pytest.raises(TypeError, match=r"Received: communication=4\."):
+        keras_dist.resolve_strategy("auto", communication=4)
+    with pytest.raises(ValueError, match=r"sees none\. Received: communication='nccl'"):
+        keras_dist.resolve_strategy("auto", communication="nccl")

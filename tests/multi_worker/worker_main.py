@@ -201,6 +201,21 @@ elif scenario == "lean":
         return original_iter(self)
 
     input_lib.DistributedDataset.__iter__ = counting_iter
+    if strategy.num_replicas_in_sync > 1:
+        # The job's strategy was made with the default communication (ring
+        # on CPUs): the same request gets it, other options are refused.
+        same = keras_dist.resolve_strategy("auto", communication="ring") is strategy
+        results["same_strategy"] = np.array(same)
+        try:
+            keras_dist.resolve_strategy(
+                "auto",
+                communication=tf.distribute.experimental.CommunicationOptions(
+                    bytes_per_pack=1024
+                ),
+            )
+            results["conflict"] = np.array("")
+        except ValueError as e:
+            results["conflict"] = np.array(str(e))
     n = int(opts.get("n", 64))
     x, y = data(n=n)
     model = build(False)
