@@ -42,6 +42,7 @@ import atexit
 import contextlib
 import os
 import queue
+import sys
 import threading
 import warnings
 
@@ -358,6 +359,7 @@ class _LazyIterator:
 
 _RELEASE_QUEUE: "queue.SimpleQueue | None" = None
 _RELEASE_DONE = object()
+_RELEASE_CLOSED = False  # set at exit: later releases happen in place
 
 
 def _release_later(iterator) -> None:
@@ -367,6 +369,10 @@ def _release_later(iterator) -> None:
     shutdown aborts the process).
     """
     global _RELEASE_QUEUE
+    if _RELEASE_CLOSED or sys.is_finalizing():
+        # At exit: dropped here (no thread can start while Python ends; a
+        # start then blocks forever).
+        return
     if _RELEASE_QUEUE is None:
         _RELEASE_QUEUE = queue.SimpleQueue()
 
@@ -385,6 +391,8 @@ def _release_later(iterator) -> None:
         thread.start()
 
         def finish(pending=_RELEASE_QUEUE):
+            global _RELEASE_CLOSED
+            _RELEASE_CLOSED = True
             pending.put(_RELEASE_DONE)
             thread.join(timeout=60)
 
@@ -401,13 +409,16 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_release_thread)
 
 
-def wait_for_released_iterators(timeout: float = 60.0) -> None:
-    """Returns once every iterator handed to the release thread is released."""
+def wait_for_released_iterators(timeout: float = 300.0) -> bool:
+    """Waits until every iterator handed to the release thread is released.
+
+    Returns False if `timeout` seconds passed first.
+    """
     if _RELEASE_QUEUE is None:
-        return
+        return True
     done = threading.Event()
     _RELEASE_QUEUE.put(done)
-    done.wait(timeout)
+    return done.wait(timeout)
 
 
 def materialize(iterator):

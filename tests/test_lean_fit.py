@@ -98,7 +98,7 @@ def test_fit_creates_the_iterators_it_uses_and_releases_them(created):
         history = model.fit(x, y, batch_size=16, epochs=3, shuffle=shuffle, verbose=0)
         assert len(history.history["loss"]) == 3
         assert len(created) == 3, (shuffle, len(created))
-        _keras_compat.wait_for_released_iterators()
+        assert _keras_compat.wait_for_released_iterators()
         gc.collect()
         assert all(ref() is None for ref in created)
 
@@ -135,6 +135,33 @@ def test_evaluate_and_predict_release_their_iterators_too(created):
     model.evaluate(x, y, batch_size=8, verbose=0)
     model.predict(x, batch_size=8, verbose=0)
     assert len(created) == 2
-    _keras_compat.wait_for_released_iterators()
+    assert _keras_compat.wait_for_released_iterators()
     gc.collect()
     assert all(ref() is None for ref in created)
+
+
+def test_a_fit_that_exits_the_process_exits_at_once(tmp_path):
+    # `sys.exit` inside a fit (BackupAndRestore's preemption exit does this)
+    # leaves iterators to be released while Python ends, when no thread can
+    # start: they are released in place, and the process exits with its code.
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_in_fit.py"
+    script.write_text(
+        "import sys\n"
+        "import keras, numpy as np, keras_dist\n"
+        "keras_dist.simulate_replicas(2)\n"
+        "model = keras_dist.distribute(keras.Sequential([keras.Input((3,)), "
+        "keras.layers.Dense(1)]), strategy='mirrored')\n"
+        "model.compile('sgd', 'mse')\n"
+        "class Exit(keras.callbacks.Callback):\n"
+        "    def on_train_batch_end(self, batch, logs=None):\n"
+        "        if batch == 2:\n"
+        "            sys.exit(42)\n"
+        "x = np.random.rand(64, 3).astype('float32')\n"
+        "model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0, callbacks=[Exit()])\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 42, done.stdout[-2000:] + done.stderr[-2000:]
