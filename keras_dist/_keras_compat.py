@@ -51,6 +51,8 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.losses import loss as keras_loss
+from keras.src.trainers.data_adapters import array_data_adapter as keras_array_adapter
+from keras.src.trainers.data_adapters import tf_dataset_adapter as keras_tf_dataset_adapter
 from keras.src.models.functional import Functional  # noqa: F401 (re-exported)
 from keras.src.models.model import functional_init_arguments  # noqa: F401 (re-exported)
 
@@ -315,6 +317,21 @@ def global_seed_variables() -> list:
     return [generator.state] if generator is not None else []
 
 
+def keras_metrics_only(metrics) -> bool:
+    """Whether every metric in `metrics` is a Keras class, at any depth.
+
+    Keras' own containers (`CompileMetrics`, `CompileLoss`) are looked
+    into; a metric defined anywhere else (a user's subclass) is not.
+    """
+    for metric in metrics:
+        if not type(metric).__module__.startswith("keras."):
+            return False
+        inner = getattr(metric, "metrics", None)
+        if isinstance(inner, (list, tuple)) and not keras_metrics_only(inner):
+            return False
+    return True
+
+
 class _LazyIterator:
     """An iterator over a `DistributedDataset`, created on first use.
 
@@ -325,11 +342,16 @@ class _LazyIterator:
     started). Created lazily, an unused one costs nothing, and `cursor`
     (if any) counts the iterators actually created (each consumes one draw
     of a seeded shuffle), which is what a resumed run replays.
+
+    `background_release`: the iterator, once dropped, is torn down on a
+    background thread (see `_LazyDataset`); otherwise where it is dropped,
+    as Keras does.
     """
 
-    def __init__(self, dataset, cursor):
+    def __init__(self, dataset, cursor, background_release):
         self._dataset = dataset
         self._cursor = cursor
+        self._background_release = background_release
         self._iterator = None
 
     def materialize(self):
@@ -346,11 +368,8 @@ class _LazyIterator:
         return next(self.materialize())
 
     def __del__(self):
-        # Tearing down a distributed iterator that a train function used
-        # blocks for 1-6 s under multi-worker training (measured at every
-        # epoch boundary); done on a background thread, training goes on.
         iterator = self.__dict__.pop("_iterator", None)
-        if iterator is not None:
+        if iterator is not None and self.__dict__.get("_background_release"):
             _release_later(iterator)
 
     def __getattr__(self, name):
@@ -429,17 +448,67 @@ def materialize(iterator):
 
 
 class _LazyDataset:
-    """Stands in for a `DistributedDataset` Keras iterates: lazy iterators."""
+    """Stands in for a `DistributedDataset` Keras iterates: lazy iterators.
 
-    def __init__(self, dataset, cursor=None):
+    `background_release`: tear down dropped iterators on a background thread.
+    Under multi-worker training, tearing down a distributed iterator that a
+    train function used blocks for 1-6 s (measured at every epoch
+    boundary); off the training thread, training goes on. Only for input
+    that TensorFlow alone produces (`_tensorflow_fed`): the teardown holds
+    Python's lock while it waits for the input's prefetch thread, and a
+    prefetch thread that calls Python (a `PyDataset`, a generator,
+    `py_function`) waits for that lock: the release thread would hang
+    forever (and abort the process at exit). Such iterators are torn down
+    where Keras drops them, as in Keras.
+    """
+
+    def __init__(self, dataset, cursor=None, background_release=False):
         self._dataset = dataset
         self._cursor = cursor
+        self._background_release = background_release
 
     def __iter__(self):
-        return _LazyIterator(self._dataset, self._cursor)
+        return _LazyIterator(self._dataset, self._cursor, self._background_release)
 
     def __getattr__(self, name):
         return getattr(self._dataset, name)
+
+
+_PYTHON_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+
+
+def _tensorflow_fed(adapter) -> bool:
+    """Whether TensorFlow alone produces an input's batches (no Python call).
+
+    Arrays, and `tf.data` pipelines without `from_generator` or
+    `py_function` anywhere (keras_dist's own array input is one by the time
+    Keras sees it).
+    """
+    if isinstance(adapter, keras_array_adapter.ArrayDataAdapter):
+        return True
+    if not isinstance(adapter, keras_tf_dataset_adapter.TFDatasetAdapter):
+        return False  # a PyDataset, a generator, a torch or grain loader
+    seen, pending = set(), [adapter.get_tf_dataset()]
+    while pending:
+        dataset = pending.pop()
+        if id(dataset) in seen:
+            continue
+        seen.add(id(dataset))
+        for value in vars(dataset).values():
+            # A transformation's function (map, flat_map, filter, ...).
+            function = getattr(value, "function", None)
+            graph = getattr(function, "graph", None)
+            if graph is not None:
+                if any(t.dtype == tf.variant for t in function.captured_inputs):
+                    return False  # captures a dataset built outside: unknown
+                definition = graph.as_graph_def()
+                ops = {node.op for node in definition.node}
+                for function in definition.library.function:
+                    ops.update(node.op for node in function.node_def)
+                if ops & _PYTHON_OPS:
+                    return False
+        pending.extend(dataset._inputs())
+    return True
 
 
 @contextlib.contextmanager
@@ -449,7 +518,8 @@ def lean_epoch_iterators(cursor=None, full_batches: bool = False):
     While open, every `TFEpochIterator` Keras makes (the input of `fit`,
     `evaluate`, `predict`, and `fit`'s validation data) hands out iterators
     created on first use and released on a background thread
-    (`_LazyIterator`). The first one made is the call's own input:
+    (`_LazyIterator`, `_LazyDataset`). The first one made is the call's
+    own input:
 
     - `cursor` (optional) counts the iterators created on it. The order of
       a seeded shuffle (`Dataset.shuffle(seed=...)`) depends on how many
@@ -476,7 +546,10 @@ def lean_epoch_iterators(cursor=None, full_batches: bool = False):
         if first and cursor is not None:
             cursor.dataset = self._distributed_dataset
         self._distributed_dataset = _LazyDataset(
-            self._distributed_dataset, cursor if first else None
+            self._distributed_dataset,
+            cursor if first else None,
+            background_release=_is_multi_worker(strategy)
+            and _tensorflow_fed(self.data_adapter),
         )
 
     keras_tf_trainer.TFEpochIterator.__init__ = init

@@ -305,9 +305,15 @@ class DistributedModel(keras.Model):
     def get_metrics_result(self):
         # Under multi-worker training every metric variable read all-reduces
         # (one eager collective each, ~25 ms apiece on two CPU workers, at
-        # every epoch end): read them all in one compiled call instead.
+        # every epoch end): read them all in one compiled call instead, when
+        # every metric is one of Keras' own (a user's `result()` may use
+        # NumPy or Python values that a graph cannot run).
         strategy = self._kd_strategy
-        if not _collectives.is_multi_worker(strategy) or tf.inside_function():
+        if (
+            not _collectives.is_multi_worker(strategy)
+            or tf.inside_function()
+            or not _keras_compat.keras_metrics_only(self.metrics)
+        ):
             return super().get_metrics_result()
         key = tuple(id(v) for v in self.metrics_variables)
         cached = self._kd_metrics_result
@@ -315,16 +321,7 @@ class DistributedModel(keras.Model):
             get = super().get_metrics_result
             cached = (key, tf.function(get, autograph=False))
             object.__setattr__(self, "_kd_metrics_result", cached)  # untracked
-        if cached[1] is None:
-            return super().get_metrics_result()
-        try:
-            return cached[1]()
-        except (TypeError, ValueError, NotImplementedError, AttributeError):
-            # A metric whose `result()` cannot run in a graph (NumPy, Python
-            # values): read eagerly from now on. Tracing failed before any
-            # collective ran, alike on every worker.
-            object.__setattr__(self, "_kd_metrics_result", (key, None))
-            return super().get_metrics_result()
+        return cached[1]()
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         _keras_compat.symbolic_build(self, iterator=iterator, data_batch=data_batch)

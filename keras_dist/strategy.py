@@ -218,12 +218,8 @@ def _communication_options(communication: CommunicationSpec):
             "tf.distribute.experimental.CommunicationOptions. Received: "
             f"communication={communication!r}."
         )
-    implementation = {
-        "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
-        "ring": tf.distribute.experimental.CommunicationImplementation.RING,
-        "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
-    }[communication]
-    if communication == "nccl" and not tf.config.list_physical_devices("GPU"):
+    gpus = bool(tf.config.list_physical_devices("GPU"))
+    if communication == "nccl" and not gpus:
         raise ValueError(
             "Invalid value for argument `communication`: NCCL all-reduces "
             "between GPUs, and this process sees none. Received: "
@@ -231,14 +227,12 @@ def _communication_options(communication: CommunicationSpec):
         )
     if communication == "auto":
         # Explicit per platform: NCCL between GPUs, ring (gRPC) between CPUs.
-        gpus = tf.config.list_physical_devices("GPU")
-        implementation = (
-            tf.distribute.experimental.CommunicationImplementation.NCCL
-            if gpus
-            else tf.distribute.experimental.CommunicationImplementation.RING
-        )
+        communication = "nccl" if gpus else "ring"
+    implementations = tf.distribute.experimental.CommunicationImplementation
     return tf.distribute.experimental.CommunicationOptions(
-        implementation=implementation
+        implementation=implementations.NCCL
+        if communication == "nccl"
+        else implementations.RING
     )
 
 

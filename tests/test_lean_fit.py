@@ -165,3 +165,77 @@ def test_a_fit_that_exits_the_process_exits_at_once(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 42, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_only_keras_metrics_are_read_in_one_compiled_call():
+    # Epoch-end metric reads are compiled under multi-worker training only
+    # when every metric is Keras' own: a user's `result()` may read Python
+    # state that a compiled call would freeze at its first trace.
+    class Running(keras.metrics.Metric):
+        def __init__(self):
+            super().__init__(name="running")
+            self.calls = 0
+
+        def update_state(self, *args, **kwargs):
+            self.calls += 1
+
+        def result(self):
+            return float(self.calls)
+
+    x = np.random.rand(8, 3).astype("float32")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse", metrics=["mae", keras.metrics.AUC()])
+    model.evaluate(x, x[:, :1], verbose=0)  # builds the compiled metrics
+    assert _keras_compat.keras_metrics_only(model.metrics)
+    model.compile("sgd", "mse", metrics=["mae", Running()])
+    model.evaluate(x, x[:, :1], verbose=0)
+    assert not _keras_compat.keras_metrics_only(model.metrics)
+
+
+def test_only_input_that_tensorflow_produces_is_released_in_the_background():
+    # Tearing down an iterator waits for its prefetch thread while holding
+    # Python's lock; a prefetch thread that calls Python waits for that lock.
+    # Such input is released where Keras drops it, never on another thread.
+    from keras.src.trainers.data_adapters import get_data_adapter
+
+    x = np.random.rand(16, 3).astype("float32")
+    y = x[:, :1]
+
+    def generator():
+        while True:
+            yield x[:4], y[:4]
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return x[4 * i:4 * i + 4], y[4 * i:4 * i + 4]
+
+    spec = (tf.TensorSpec((4, 3)), tf.TensorSpec((4, 1)))
+    from_generator = tf.data.Dataset.from_generator(generator, output_signature=spec)
+    slices = tf.data.Dataset.from_tensor_slices((x, y))
+    fed = {
+        "arrays": (x, y),
+        "tf.data": slices.shuffle(16).batch(4).map(lambda a, b: (2 * a, b)).prefetch(1),
+        "from_generator": from_generator,
+        "py_function": slices.batch(4).map(
+            lambda a, b: (tf.py_function(lambda t: t, [a], tf.float32), b)
+        ),
+        "zipped generator": tf.data.Dataset.zip((slices.batch(4), from_generator)),
+        "interleaved generator": tf.data.Dataset.range(2).interleave(
+            lambda _: from_generator
+        ),
+        "PyDataset": Batches(),
+        "generator": generator(),
+    }
+    got = {}
+    for name, data in fed.items():
+        inputs = data if isinstance(data, tuple) else (data, None)
+        adapter = get_data_adapter(*inputs, batch_size=4 if name == "arrays" else None,
+                                   steps_per_epoch=4)
+        got[name] = _keras_compat._tensorflow_fed(adapter)
+    assert got == {"arrays": True, "tf.data": True, "from_generator": False,
+                   "py_function": False, "zipped generator": False,
+                   "interleaved generator": False, "PyDataset": False,
+                   "generator": False}

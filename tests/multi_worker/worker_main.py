@@ -193,12 +193,19 @@ elif scenario == "lean":
     # other workers (partial-batch handling).
     from tensorflow.python.distribute import input_lib
 
-    created = []
+    import gc
+    import weakref
+
+    from keras_dist import _keras_compat
+
+    created, iterators = [], []
     original_iter = input_lib.DistributedDataset.__iter__
 
     def counting_iter(self):
         created.append(bool(self._enable_get_next_as_optional))
-        return original_iter(self)
+        iterator = original_iter(self)
+        iterators.append(weakref.ref(iterator))
+        return iterator
 
     input_lib.DistributedDataset.__iter__ = counting_iter
     if strategy.num_replicas_in_sync > 1:
@@ -216,6 +223,23 @@ elif scenario == "lean":
             results["conflict"] = np.array("")
         except ValueError as e:
             results["conflict"] = np.array(str(e))
+    class RootMeanSquare(keras.metrics.Metric):
+        """A user's metric: read eagerly at epoch end (Keras' own are read
+        in one compiled call)."""
+
+        def __init__(self, name="rms"):
+            super().__init__(name=name)
+            self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+            self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            error = keras.ops.square(y_true - y_pred)
+            self.total.assign_add(keras.ops.sum(error))
+            self.count.assign_add(keras.ops.cast(keras.ops.size(error), "float32"))
+
+        def result(self):
+            return keras.ops.sqrt(self.total / keras.ops.maximum(self.count, 1.0))
+
     n = int(opts.get("n", 64))
     x, y = data(n=n)
     model = build(False)
@@ -224,6 +248,27 @@ elif scenario == "lean":
     results["checks"] = np.array(created)
     results["loss"] = np.array(history.history["loss"])
     results["mae"] = np.array(history.history["mae"])
+    # Iterators over arrays are torn down on the release thread; a PyDataset
+    # (Python feeds its prefetch thread) where Keras drops them.
+    background = _keras_compat._RELEASE_QUEUE is not None
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return x[16 * i:16 * i + 16], y[16 * i:16 * i + 16]
+
+    model.fit(Batches(), epochs=2, verbose=0)
+    released = _keras_compat.wait_for_released_iterators(timeout=120)
+    gc.collect()
+    results["released"] = np.array(
+        [background, released, all(ref() is None for ref in iterators)]
+    )
+    model.compile("sgd", "mse", metrics=["mae", RootMeanSquare()])
+    evaluated = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    results["eval_mae"] = np.array(evaluated["mae"])
+    results["eval_rms"] = np.array(evaluated["rms"])
     for i, w in enumerate(model.get_weights()):
         results[f"w{i}"] = w
 
