@@ -33,10 +33,13 @@ class LayoutMapper:
       kernel `("model", None, None)`).
     - `Embedding`: the vocabulary (`embedding="vocabulary"`, default) or the
       embedding dimension (`embedding="dim"`).
-    - Convolutions (`Conv1D`/`Conv2D`/`Conv3D`): output channels (kernel `(..., "model")`, bias
-      `("model",)`).
+    - Convolutions: replicated. DTensor runs a convolution only with a
+      fully replicated filter (its SPMD expander refuses any other layout
+      at the first step), so a rule that shards a convolution's kernel is
+      refused too.
     - Normalization layers, variables with fewer than `min_elements`
       elements and everything else: replicated (not in the map).
+      `summary()` says why each variable is replicated.
 
     `rules` override any of it: `{regex: axes}` where the regex is matched
     with `re.fullmatch` against `variable.path` (Keras' `LayoutMap`
@@ -164,6 +167,7 @@ class LayoutMapper:
                     layouts[path] = axes
         for path, axes in layouts.items():
             self._validate(path, tuple(variables[path].shape), axes)
+        check_executable(model, layouts)
         return layouts
 
     def layout_map(self, model: keras.Model) -> keras.distribution.LayoutMap:
@@ -179,9 +183,11 @@ class LayoutMapper:
         return layout_map
 
     def summary(self, model: keras.Model, print_fn: Callable[[str], None] | None = None) -> None:
-        """Prints each variable's layout and bytes per device, and the totals."""
+        """Prints each variable's layout, bytes per device, why it is
+        replicated (where it is), and the totals."""
         print_fn = print_fn or print
         layouts = self.layouts(model)
+        reasons = self.replicated_reasons(model)
         sizes = dict(zip(self.mesh.axis_names, self.mesh.shape))
         rows = []
         replicated_total = sharded_total = 0
@@ -193,18 +199,19 @@ class LayoutMapper:
             replicated_total += nbytes
             sharded_total += per_device
             layout = "replicated" if axes is None else str(tuple(axes))
-            rows.append((path, str(tuple(variable.shape)), layout, nbytes, per_device))
+            rows.append((path, str(tuple(variable.shape)), layout, nbytes, per_device,
+                         reasons.get(path, "")))
         width = max([len(r[0]) for r in rows] + [8])
         mesh = ", ".join(f"{n}={s}" for n, s in sizes.items())
         print_fn(f"LayoutMapper over mesh ({mesh}), model axis {self.model_axis!r}")
         print_fn(
             f"{'variable':<{width}}  {'shape':<16} {'layout':<28} "
-            f"{'bytes':>12} {'per device':>12}"
+            f"{'bytes':>12} {'per device':>12}  why replicated"
         )
-        for path, shape, layout, nbytes, per_device in rows:
+        for path, shape, layout, nbytes, per_device, reason in rows:
             print_fn(
                 f"{path:<{width}}  {shape:<16} {layout:<28} {nbytes:>12,} "
-                f"{per_device:>12,}"
+                f"{per_device:>12,}  {reason}".rstrip()
             )
         ratio = sharded_total / replicated_total if replicated_total else 1.0
         print_fn(
@@ -249,14 +256,32 @@ class LayoutMapper:
                 dim = 0 if self.embedding == "vocabulary" else 1
                 if tuple(table.shape)[dim] % n == 0:
                     layouts[table.path] = (axis, None) if dim == 0 else (None, axis)
-            elif _is_conv(layer):
-                kernel = getattr(layer, "kernel", None)
-                if kernel is not None and tuple(kernel.shape)[-1] % n == 0:
-                    layouts[kernel.path] = (None,) * (len(kernel.shape) - 1) + (axis,)
-                    bias = getattr(layer, "bias", None)
-                    if bias is not None:
-                        layouts[bias.path] = (axis,)
         return layouts
+
+    def replicated_reasons(self, model: keras.Model) -> dict[str, str]:
+        """`{variable.path: why}` for every variable the map replicates."""
+        layouts = self.layouts(model)
+        automatic = self._automatic(model)
+        axis = self.model_axis
+        n = dict(zip(self.mesh.axis_names, self.mesh.shape))[axis]
+        reasons = {}
+        for layer in _layers(model):
+            for variable in layer.weights:
+                path = variable.path
+                if path in layouts or path in reasons:
+                    continue
+                matches = [p for p in self.rules if re.fullmatch(p, path)]
+                if matches:
+                    reasons[path] = f"rule {matches[0]!r}"
+                elif path in automatic:
+                    reasons[path] = f"fewer than min_elements={self.min_elements} elements"
+                else:
+                    reasons[path] = _why_replicated(layer, variable, automatic, f"{axis}={n}", n)
+        return {
+            path: reasons.get(path, "no rule for this layer type")
+            for path in _variables(model)
+            if path not in layouts
+        }
 
     def _attention(self, layer, n, layouts) -> None:
         axis = self.model_axis
@@ -323,12 +348,73 @@ def _variables(model) -> dict:
     return {v.path: v for v in model.weights}
 
 
+_NORMALIZATIONS = (
+    keras.layers.BatchNormalization,
+    keras.layers.LayerNormalization,
+    keras.layers.GroupNormalization,
+    keras.layers.UnitNormalization,
+)
+
+
+def _why_replicated(layer, variable, automatic, axis: str, n: int) -> str:
+    """Why the automatic rules leave one of `layer`'s variables replicated.
+
+    `automatic`: the automatic rules' layouts (before `min_elements` and
+    `rules`).
+    """
+    if _is_conv(layer):
+        return "convolution: DTensor needs a replicated filter"
+    if isinstance(layer, _NORMALIZATIONS):
+        return "normalization layer"
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+        if layer.num_heads % n:
+            return f"{layer.num_heads} heads do not split over {axis}"
+        return "added after the heads' all-reduce"
+    if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+        kernel = getattr(layer, "kernel", None)
+        if kernel is not None and kernel.path in automatic:
+            return "bias of a row-parallel layer (added after the all-reduce)"
+        shape = tuple(variable.shape)
+        return f"output dimension {shape[-1]} does not divide by {axis}"
+    if isinstance(layer, keras.layers.Embedding):
+        return f"the sharded dimension does not divide by {axis}"
+    return "no rule for this layer type"
+
+
+def check_executable(model, axes_by_path: Mapping[str, Axes | None]) -> None:
+    """Refuses layouts that DTensor cannot run, before any step.
+
+    `axes_by_path`: `{variable.path: axes}` (None or all-None: replicated).
+    """
+    for layer in _layers(model):
+        if not _is_conv(layer):
+            continue
+        for variable in layer.weights:
+            axes = axes_by_path.get(variable.path)
+            if variable is getattr(layer, "bias", None):
+                continue
+            if axes is not None and any(a is not None for a in axes):
+                raise ValueError(
+                    f"Invalid layout {tuple(axes)!r} for variable {variable.path!r}: "
+                    "it is a convolution filter, and DTensor runs a convolution "
+                    "only with a fully replicated filter (it fails at the first "
+                    "step otherwise). Map it to None (replicated)."
+                )
+
+
+_CONVOLUTIONS = (
+    keras.layers.Conv1D,
+    keras.layers.Conv2D,
+    keras.layers.Conv3D,
+    keras.layers.Conv1DTranspose,
+    keras.layers.Conv2DTranspose,
+    keras.layers.Conv3DTranspose,
+    keras.layers.DepthwiseConv1D,
+    keras.layers.DepthwiseConv2D,
+    keras.layers.SeparableConv1D,
+    keras.layers.SeparableConv2D,
+)
+
+
 def _is_conv(layer) -> bool:
-    # Transposed convolutions keep input channels last: not included.
-    return isinstance(
-        layer, (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
-    ) and not isinstance(
-        layer,
-        (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
-         keras.layers.Conv3DTranspose),
-    )
+    return isinstance(layer, _CONVOLUTIONS)

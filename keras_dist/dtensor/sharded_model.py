@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from keras_dist.dtensor.layout_mapper import LayoutMapper
+from keras_dist.dtensor.layout_mapper import LayoutMapper, check_executable
 
 BATCH_AXIS = "batch"
 
@@ -86,12 +86,18 @@ class ShardedModel:
                 f"keras_dist.dtensor.LayoutMapper or None. Received: layout_map="
                 f"{layout_map!r} of type {type(layout_map).__name__}"
             )
+        axes_by_path = {}
+        for variable in model.weights:
+            layout = layout_map[variable.path]
+            axes_by_path[variable.path] = (
+                tuple(layout.axes) if layout is not None else (None,) * len(variable.shape)
+            )
+        check_executable(model, axes_by_path)
         self.mesh = mesh
         self.dmesh = _dtensor_mesh(mesh)
         by_source_path = {}
         for variable in model.weights:
-            layout = layout_map[variable.path]
-            axes = layout.axes if layout is not None else (None,) * len(variable.shape)
+            axes = axes_by_path[variable.path]
             by_source_path[variable.path] = dtensor.Layout(
                 [a if a is not None else dtensor.UNSHARDED for a in axes], self.dmesh
             )

@@ -38,6 +38,10 @@ def data(kind, dtype="float32"):
         return x.astype(dtype), (x @ rs.randn(8, 1)).astype(dtype)
     if kind == "transformer":
         return rs.randn(16, 5, 16).astype(dtype), rs.randn(16, 5, 1).astype(dtype)
+    if kind == "conv":
+        return rs.randn(32, 10, 4).astype(dtype), rs.randn(32, 3).astype(dtype)
+    if kind == "einsum":
+        return rs.randn(32, 6, 8).astype(dtype), rs.randn(32, 6, 1).astype(dtype)
     # Each batch of 8 holds every token id once: with a repeated id, Keras'
     # one-device Adam squares each occurrence's sparse gradient separately
     # (sum of squares, not square of the sum), which a dense gradient cannot
@@ -62,6 +66,23 @@ def build(kind, optimizer, jit_compile=False):
         h = keras.layers.Dense(32, activation="relu", name="fc1")(h)
         h = keras.layers.Dense(16, name="fc2")(h)
         model = keras.Model(inputs, keras.layers.Dense(1, name="out")(h))
+    elif kind == "conv":
+        # A convolution (replicated: DTensor needs a replicated filter), a
+        # Dense pair (sharded) and a head of 3 (replicated).
+        model = keras.Sequential([
+            keras.Input((10, 4)),
+            keras.layers.Conv1D(16, 3, activation="relu", name="conv"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(64, activation="relu", name="fc1"),
+            keras.layers.Dense(24, activation="relu", name="fc2"),
+            keras.layers.Dense(3, name="head"),
+        ], name="conv")
+    elif kind == "einsum":
+        inputs = keras.Input((6, 8))
+        h = keras.layers.EinsumDense("abc,cd->abd", (6, 32), bias_axes="d",
+                                     activation="relu", name="up")(inputs)
+        h = keras.layers.EinsumDense("abc,cd->abd", (6, 16), name="down")(h)
+        model = keras.Model(inputs, keras.layers.Dense(1, name="out")(h))
     else:
         inputs = keras.Input((4,), dtype="int32")
         h = keras.layers.Embedding(32, 8, name="emb")(inputs)
@@ -75,8 +96,11 @@ def max_diff(a_weights, b_weights):
     return max(float(np.abs(a - b).max()) for a, b in zip(a_weights, b_weights))
 
 
-def golden(mesh):
-    for kind in ("mlp", "mlp_mixed", "transformer", "embedding"):
+KINDS = ("mlp", "mlp_mixed", "transformer", "embedding", "conv", "einsum")
+
+
+def golden(mesh, kinds=KINDS):
+    for kind in kinds:
         for name in OPTIMIZERS:
             # Adam divides by sqrt(v): on a gradient entry near zero, float32
             # rounding of a different summation order moves the update by up
@@ -178,6 +202,15 @@ def load(mesh, directory):
     print(json.dumps(row), flush=True)
 
 
+def conv_filter_sharded():
+    """A Keras LayoutMap (as written for JAX) that shards a convolution filter."""
+    layout_map = keras.distribution.LayoutMap(
+        keras.distribution.DeviceMesh((2, 2), ["batch", "model"], [f"cpu:{i}" for i in range(4)])
+    )
+    layout_map["conv/conv/kernel"] = (None, None, "model")
+    return layout_map
+
+
 def errors(mesh, directory):
     """Each bad argument's message, raised before any work (one JSON line)."""
     x, y = classification_data()
@@ -196,6 +229,8 @@ def errors(mesh, directory):
         "load_missing": lambda: sharded.load_weights(
             os.path.join(directory, "none.weights.h5")),
         "layout_map_type": lambda: kd.shard(classifier(), mesh, {"up/kernel": (None, "model")}),
+        "conv_filter_sharded": lambda: kd.shard(
+            build("conv", keras.optimizers.SGD()), mesh, conv_filter_sharded()),
     }
     messages = {}
     for name, call in calls.items():
@@ -213,7 +248,7 @@ if __name__ == "__main__":
     shape = MESHES[mesh_name]
     mesh = kd.make_mesh(shape, [f"cpu:{i}" for i in range(int(np.prod(list(shape.values()))))])
     if mode == "golden":
-        golden(mesh)
+        golden(mesh, sys.argv[3].split(",") if len(sys.argv) > 3 else KINDS)
     elif mode == "save":
         save(mesh, sys.argv[3])
     elif mode == "load":

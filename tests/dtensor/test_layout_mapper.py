@@ -1,5 +1,7 @@
 """LayoutMapper rules, overrides, validation and summary; make_mesh."""
 
+import re
+
 import keras
 import pytest
 
@@ -75,13 +77,55 @@ def test_embedding_shards_vocabulary_or_dimension(embedding, axes):
     assert layouts == {"e/emb/embeddings": axes}
 
 
-def test_convolutions_shard_output_channels():
-    model = keras.Sequential([keras.Input((8, 8, 3)),
-                              keras.layers.Conv2D(8, 3, name="conv"),
+@pytest.mark.parametrize("conv", [
+    keras.layers.Conv2D(8, 3, name="conv"),
+    keras.layers.SeparableConv2D(8, 3, name="conv"),
+    keras.layers.DepthwiseConv2D(3, depth_multiplier=2, name="conv"),
+    keras.layers.Conv2DTranspose(8, 3, name="conv"),
+])
+def test_convolutions_stay_replicated_and_say_why(conv):
+    # DTensor's convolution requires a fully replicated filter: a sharded one
+    # fails at the first step ("Filter for convolution must have fully
+    # replicated layout"), so the mapper replicates it and refuses a rule
+    # that shards it, and so does shard() for a LayoutMap.
+    model = keras.Sequential([keras.Input((8, 8, 4)), conv,
                               keras.layers.BatchNormalization(name="bn")], name="c")
-    layouts = LayoutMapper(mesh(model=2), min_elements=0).layouts(model)
-    assert layouts == {"c/conv/kernel": (None, None, None, "model"),
-                       "c/conv/bias": ("model",)}
+    mapper = LayoutMapper(mesh(model=2), min_elements=0)
+    assert mapper.layouts(model) == {}
+    reasons = mapper.replicated_reasons(model)
+    assert {reasons[w.path] for w in conv.weights} == {
+        "convolution: DTensor needs a replicated filter"}
+    assert reasons["c/bn/gamma"] == "normalization layer"
+    lines = []
+    mapper.summary(model, print_fn=lines.append)
+    assert any("c/conv/" in line and "DTensor needs a replicated filter" in line
+               for line in lines)
+    kernel = conv.weights[0]
+    shape = tuple(kernel.shape)
+    dim = max(d for d, size in enumerate(shape) if size % 2 == 0)  # one that splits
+    axes = tuple("model" if d == dim else None for d in range(len(shape)))
+    with pytest.raises(ValueError, match=re.escape(kernel.path) + ".*convolution filter"
+                       ".*Map it to None"):
+        LayoutMapper(mesh(model=2), rules={re.escape(kernel.path): axes}).layouts(model)
+
+
+def test_summary_says_why_each_replicated_variable_is():
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(64, name="up")(inputs)
+    h = keras.layers.Dense(32, name="down")(h)
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    outputs = keras.layers.Dense(3, name="head")(h)
+    model = keras.Model(inputs, outputs, name="m")
+    mapper = LayoutMapper(mesh(model=2), min_elements=100, rules={"down/kernel": None})
+    assert mapper.replicated_reasons(model) == {
+        "up/bias": "fewer than min_elements=100 elements",
+        "down/kernel": "rule 'down/kernel'",
+        "down/bias": "bias of a row-parallel layer (added after the all-reduce)",
+        "norm/gamma": "normalization layer",
+        "norm/beta": "normalization layer",
+        "head/kernel": "output dimension 3 does not divide by model=2",
+        "head/bias": "output dimension 3 does not divide by model=2",
+    }
 
 
 def test_small_variables_stay_replicated_by_default():

@@ -44,14 +44,15 @@ def test_sharded_training_matches_one_device_and_shards_memory(runs, mesh):
     n = {"model2": 2, "model4": 4, "batch2_model2": 2}[mesh]
     assert [(r["model"], r["optimizer"], r["dtype"]) for r in rows] == [
         (model, optimizer, dtype)
-        for model in ("mlp", "mlp_mixed", "transformer", "embedding")
+        for model in ("mlp", "mlp_mixed", "transformer", "embedding", "conv", "einsum")
         for optimizer, dtype in (("sgd", "float32"), ("momentum", "float32"),
                                  ("adam", "float32"))
         + ((("adam", "float64"),) if model == "transformer" else ())
     ]
     for row in rows:
-        # Something is sharded in every model: attention heads, the Dense
-        # pairs, the embedding table.
+        # Something is sharded in every model: attention heads, the Dense and
+        # EinsumDense pairs, the embedding table (never a convolution filter:
+        # DTensor runs convolutions only with a replicated one).
         assert row["sharded"], row
         noise_floor = row.get("xla_vs_plain_one_device", 0.0)
         if row["dtype"] == "float64":
@@ -75,6 +76,16 @@ def test_sharded_training_matches_one_device_and_shards_memory(runs, mesh):
             sharded, replicated = item * (8 * 32 + 32 * 16), item * (32 + 33)
         elif kind == "embedding":
             sharded, replicated = item * 32 * 8, item * (32 + 1)
+        elif kind == "conv":
+            # fc1 (128x64 + 64) and the fc2 kernel (64x24) sharded; the
+            # convolution (3x4x16 + 16), fc2 bias and the head (24x3 + 3)
+            # replicated.
+            sharded = item * (128 * 64 + 64 + 64 * 24)
+            replicated = item * (3 * 4 * 16 + 16 + 24 + 24 * 3 + 3)
+        elif kind == "einsum":
+            # up (8x32 + 32) and the down kernel (32x16) sharded; the head
+            # (16 + 1) replicated.
+            sharded, replicated = item * (8 * 32 + 32 + 32 * 16), item * 17
         else:
             # attention q/k/v (3 x (16x4x8 + 4x8)) and output (4x8x16)
             # kernels, fc1 (16x32 + 32), fc2 kernel (32x16); replicated: the
@@ -132,6 +143,8 @@ def test_bad_arguments_are_named_before_any_step(runs):
         "save_suffix": "must be a path ending in '.keras'. Received: filepath=",
         "load_missing": "FileNotFoundError: Argument `filepath` names no file",
         "layout_map_type": "TypeError: Argument `layout_map` must be a",
+        "conv_filter_sharded": "Invalid layout (None, None, 'model') for variable "
+        "'conv/conv/kernel': it is a convolution filter",
     }
     for name, text in expected.items():
         assert messages[name] is not None and text in messages[name], (name, messages[name])
