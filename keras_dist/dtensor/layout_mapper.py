@@ -35,8 +35,9 @@ class LayoutMapper:
       embedding dimension (`embedding="dim"`).
     - Convolutions: replicated. DTensor runs a convolution only with a
       fully replicated filter (its SPMD expander refuses any other layout
-      at the first step), so a rule that shards a convolution's kernel is
-      refused too.
+      at the first step; a sharded bias after it fails too), so a rule that
+      shards a convolution's variable is refused (`shard()` replicates one
+      that a `LayoutMap` shards, with a warning).
     - Normalization layers, variables with fewer than `min_elements`
       elements and everything else: replicated (not in the map).
       `summary()` says why each variable is replicated.
@@ -165,9 +166,17 @@ class LayoutMapper:
                     layouts.pop(path, None)
                 else:
                     layouts[path] = axes
+        convolutions = convolution_variables(model)
         for path, axes in layouts.items():
             self._validate(path, tuple(variables[path].shape), axes)
-        check_executable(model, layouts)
+            if path in convolutions:
+                raise ValueError(
+                    f"Invalid layout {tuple(axes)!r} for variable {path!r} in "
+                    "argument `rules`: it belongs to a convolution, and DTensor "
+                    "runs a convolution only with its filter and bias fully "
+                    "replicated (it fails at the first step otherwise). Map it "
+                    "to None."
+                )
         return layouts
 
     def layout_map(self, model: keras.Model) -> keras.distribution.LayoutMap:
@@ -363,7 +372,7 @@ def _why_replicated(layer, variable, automatic, axis: str, n: int) -> str:
     `rules`).
     """
     if _is_conv(layer):
-        return "convolution: DTensor needs a replicated filter"
+        return "convolution: DTensor runs it only replicated"
     if isinstance(layer, _NORMALIZATIONS):
         return "normalization layer"
     if isinstance(layer, keras.layers.MultiHeadAttention):
@@ -381,25 +390,20 @@ def _why_replicated(layer, variable, automatic, axis: str, n: int) -> str:
     return "no rule for this layer type"
 
 
-def check_executable(model, axes_by_path: Mapping[str, Axes | None]) -> None:
-    """Refuses layouts that DTensor cannot run, before any step.
+def convolution_variables(model) -> set[str]:
+    """The paths of every convolution's variables in `model`.
 
-    `axes_by_path`: `{variable.path: axes}` (None or all-None: replicated).
+    DTensor runs a convolution only with a fully replicated filter (its SPMD
+    expander fails at the first step otherwise), and a bias sharded by
+    channel after a replicated filter fails too ("SPMD expansion resulted
+    in op output inconsistent with the provided layout", measured).
     """
-    for layer in _layers(model):
-        if not _is_conv(layer):
-            continue
-        for variable in layer.weights:
-            axes = axes_by_path.get(variable.path)
-            if variable is getattr(layer, "bias", None):
-                continue
-            if axes is not None and any(a is not None for a in axes):
-                raise ValueError(
-                    f"Invalid layout {tuple(axes)!r} for variable {variable.path!r}: "
-                    "it is a convolution filter, and DTensor runs a convolution "
-                    "only with a fully replicated filter (it fails at the first "
-                    "step otherwise). Map it to None (replicated)."
-                )
+    return {
+        variable.path
+        for layer in _layers(model)
+        if _is_conv(layer)
+        for variable in layer.weights
+    }
 
 
 _CONVOLUTIONS = (

@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from keras_dist.dtensor.layout_mapper import LayoutMapper, check_executable
+from keras_dist.dtensor.layout_mapper import LayoutMapper, convolution_variables
 
 BATCH_AXIS = "batch"
 
@@ -92,7 +93,19 @@ class ShardedModel:
             axes_by_path[variable.path] = (
                 tuple(layout.axes) if layout is not None else (None,) * len(variable.shape)
             )
-        check_executable(model, axes_by_path)
+        for path in sorted(convolution_variables(model)):
+            axes = axes_by_path[path]
+            if any(a is not None for a in axes):
+                # A LayoutMap written for another backend (Keras' examples
+                # shard convolution kernels by output channel) carries over.
+                warnings.warn(
+                    f"Variable {path!r} belongs to a convolution: replicated, not "
+                    f"laid out as {axes!r}. DTensor runs a convolution only with "
+                    "its filter and bias replicated. Map it to None in the layout "
+                    "map to silence this warning.",
+                    stacklevel=3,
+                )
+                axes_by_path[path] = (None,) * len(axes)
         self.mesh = mesh
         self.dmesh = _dtensor_mesh(mesh)
         by_source_path = {}

@@ -94,18 +94,18 @@ def test_convolutions_stay_replicated_and_say_why(conv):
     assert mapper.layouts(model) == {}
     reasons = mapper.replicated_reasons(model)
     assert {reasons[w.path] for w in conv.weights} == {
-        "convolution: DTensor needs a replicated filter"}
+        "convolution: DTensor runs it only replicated"}
     assert reasons["c/bn/gamma"] == "normalization layer"
     lines = []
     mapper.summary(model, print_fn=lines.append)
-    assert any("c/conv/" in line and "DTensor needs a replicated filter" in line
+    assert any("c/conv/" in line and "DTensor runs it only replicated" in line
                for line in lines)
     kernel = conv.weights[0]
     shape = tuple(kernel.shape)
     dim = max(d for d, size in enumerate(shape) if size % 2 == 0)  # one that splits
     axes = tuple("model" if d == dim else None for d in range(len(shape)))
-    with pytest.raises(ValueError, match=re.escape(kernel.path) + ".*convolution filter"
-                       ".*Map it to None"):
+    with pytest.raises(ValueError, match=re.escape(kernel.path) + ".*belongs to a "
+                       "convolution.*Map it to None"):
         LayoutMapper(mesh(model=2), rules={re.escape(kernel.path): axes}).layouts(model)
 
 

@@ -34,6 +34,7 @@ def runs(tmp_path_factory):
     commands["save_load"] = [[sys.executable, SCRIPT, "save", "batch2_model2", saved],
                              [sys.executable, SCRIPT, "load", "model4", saved]]
     commands["errors"] = [sys.executable, SCRIPT, "errors", "batch2_model2", errors]
+    commands["layout_map"] = [sys.executable, SCRIPT, "layout_map", "batch2_model2"]
     done = run_concurrently(commands)
     return done, saved, errors
 
@@ -143,8 +144,6 @@ def test_bad_arguments_are_named_before_any_step(runs):
         "save_suffix": "must be a path ending in '.keras'. Received: filepath=",
         "load_missing": "FileNotFoundError: Argument `filepath` names no file",
         "layout_map_type": "TypeError: Argument `layout_map` must be a",
-        "conv_filter_sharded": "Invalid layout (None, None, 'model') for variable "
-        "'conv/conv/kernel': it is a convolution filter",
     }
     for name, text in expected.items():
         assert messages[name] is not None and text in messages[name], (name, messages[name])
@@ -160,3 +159,23 @@ def test_shard_names_a_wrong_mesh():
     with pytest.raises(TypeError, match=r"`mesh` must be a keras.distribution.DeviceMesh.*"
                                         r"Received: mesh=\{'model': 2\}"):
         kd.shard(model, {"model": 2})
+
+
+def test_a_keras_layout_map_written_for_jax_is_used_unchanged(runs):
+    # Regex keys and tuples, as for keras.distribution.ModelParallel; its
+    # convolution kernel is sharded by output channel, which DTensor cannot
+    # run: replicated, with a warning naming it. Trains to one device's
+    # weights (Adam), with the Dense pair's bytes halved.
+    [row] = rows_of(runs[0]["layout_map"])
+    assert [w for w in row["warnings"] if "convolution" in w] == [
+        f"Variable 'conv/conv/{name}' belongs to a convolution: replicated, not "
+        f"laid out as {axes}. DTensor runs a convolution only with its filter and "
+        "bias replicated. Map it to None in the layout map to silence this warning."
+        for name, axes in (("bias", "('model',)"), ("kernel", "(None, None, 'model')"))
+    ]
+    assert row["max_diff"] < 1e-5, row
+    # fc1 and the fc2 kernel sharded as mapped.
+    sharded = 4 * (128 * 64 + 64 + 64 * 24)
+    replicated = 4 * (3 * 4 * 16 + 16 + 24 + 24 * 3 + 3)
+    assert row["bytes_replicated_variables"] == sharded + replicated
+    assert row["bytes_variables"] == sharded // 2 + replicated
