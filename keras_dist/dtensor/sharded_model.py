@@ -1,10 +1,10 @@
 """`shard`: train a Keras model with its variables sharded over a DTensor mesh.
 
-A preview: `ShardedModel` is not a `keras.Model`; it holds a copy of the
-model whose every variable (and optimizer slot) is a DTensor `DVariable`
-laid out as the `LayoutMap` says, and trains it with its own step function
-(Keras' fit iterator cannot carry DTensor inputs). Inputs are split over the
-mesh's `"batch"` axis when it has one.
+`ShardedModel` is a `keras.Model` driven by Keras' own fit loop. It holds a
+copy of the model whose every variable (and optimizer slot) is a DTensor
+`DVariable` laid out as the `LayoutMap` says; each step moves the batch
+onto the mesh (split over its `"batch"` axis when it has one) and runs on
+that copy, and the loss and metrics are tracked by Keras on the host.
 """
 
 from __future__ import annotations
@@ -54,10 +54,31 @@ def shard(
     return ShardedModel(model, mesh, layout_map)
 
 
-class ShardedModel:
-    """A compiled Keras model whose variables are sharded `DVariable`s.
+class _Shards:
+    """The sharded copy of a model (untracked by the Keras model holding it:
+    its `DVariable`s are not the holder's weights)."""
 
-    Use `shard(model, mesh, layout_map)` to make one.
+    def __init__(self, model, mesh, dmesh, layouts):
+        self.model = model
+        self.mesh = mesh
+        self.dmesh = dmesh
+        self.layouts = layouts
+
+
+class ShardedModel(keras.Model):
+    """A Keras model whose variables live in shards over a DTensor mesh.
+
+    Use `shard(model, mesh, layout_map)` to make one. It is a `keras.Model`
+    trained by Keras' own `fit` / `evaluate` / `predict` loop (callbacks,
+    `History`, `validation_data`, `sample_weight`, `class_weight`,
+    `steps_per_execution`); each step runs on a copy of the model whose
+    every variable and optimizer slot is a `DVariable` laid out as the map
+    says, with the batch split over the mesh's `"batch"` axis. Its
+    `optimizer` is that copy's (learning-rate callbacks change it), and
+    `get_weights` / `set_weights` / `save` / `save_weights` /
+    `load_weights` gather from and scatter to the shards. `weights` are a
+    host mirror of the shards, refreshed at the end of every `fit`,
+    `evaluate` and epoch.
     """
 
     def __init__(self, model, mesh, layout_map=None):
@@ -106,47 +127,146 @@ class ShardedModel:
                     stacklevel=3,
                 )
                 axes_by_path[path] = (None,) * len(axes)
-        self.mesh = mesh
-        self.dmesh = _dtensor_mesh(mesh)
-        by_source_path = {}
-        for variable in model.weights:
-            axes = axes_by_path[variable.path]
-            by_source_path[variable.path] = dtensor.Layout(
-                [a if a is not None else dtensor.UNSHARDED for a in axes], self.dmesh
+        super().__init__(name=model.name)
+        dmesh = _dtensor_mesh(mesh)
+        by_source_path = {
+            path: dtensor.Layout(
+                [a if a is not None else dtensor.UNSHARDED for a in axes], dmesh
             )
-        self.layouts: dict[str, dtensor.Layout] = by_source_path
+            for path, axes in axes_by_path.items()
+        }
+        compile_config = model.get_compile_config()
+        self._kd = _Shards(None, mesh, dmesh, by_source_path)
         self._slot_prefixes = []
         with tf.variable_creator_scope(self._creator):
-            self.model = keras.models.clone_model(model)
+            copy = keras.models.clone_model(model)
         # The copy's paths can differ from the source's (a Sequential loaded
         # from a .keras file has no model name in its paths): key by the copy.
-        self.layouts = {
+        layouts = {
             target.path: by_source_path[source.path]
-            for source, target in zip(model.weights, self.model.weights)
+            for source, target in zip(model.weights, copy.weights)
         }
-        for path, variable in zip(self.layouts, self.model.weights):
-            if dtensor.fetch_layout(variable.value) != self.layouts[path]:
+        self._kd.layouts = layouts
+        for path, variable in zip(layouts, copy.weights):
+            if dtensor.fetch_layout(variable.value) != layouts[path]:
                 raise RuntimeError(
                     f"Variable {path!r} was created with layout "
                     f"{dtensor.fetch_layout(variable.value).sharding_specs}, not "
-                    f"{self.layouts[path].sharding_specs} as the layout map says."
+                    f"{layouts[path].sharding_specs} as the layout map says."
                 )
         # Optimizer slots are named after their variable's path.
         self._slot_prefixes = sorted(
-            ((p.replace("/", "_"), layout) for p, layout in self.layouts.items()),
+            ((p.replace("/", "_"), layout) for p, layout in layouts.items()),
             key=lambda item: -len(item[0]),
         )
         with tf.variable_creator_scope(self._creator):
-            self.model.compile(
-                **keras.saving.deserialize_keras_object(model.get_compile_config())
-            )
-            self.model.optimizer.build(self.model.trainable_variables)
-        self._source = model
-        self._compile_arguments = model.get_compile_config()
+            copy.compile(**keras.saving.deserialize_keras_object(compile_config))
+            copy.optimizer.build(copy.trainable_variables)
+        self._kd.model = copy
+        # Keras' view: a plain mirror of the model (its layers for summary()
+        # and the symbolic build; its weights refreshed from the shards), the
+        # sharded copy's optimizer, the source's loss and metrics (computed
+        # on the host from the gathered predictions).
+        self.mirror = keras.models.clone_model(model)
+        arguments = keras.saving.deserialize_keras_object(compile_config)
+        arguments["optimizer"] = copy.optimizer
+        self.compile(**arguments)
+        self._compile_arguments = compile_config
+        self._kd_steps = None
         self._copy_from(model)
-        self._train_step = None
-        self._predict_step = None
-        self._host = None
+        self.built = True
+
+    # -- Keras model surface -----------------------------------------------
+
+    @property
+    def mesh(self) -> keras.distribution.DeviceMesh:
+        return self._kd.mesh
+
+    @property
+    def layouts(self) -> dict:
+        """`{variable.path: dtensor.Layout}` of the sharded copy's variables."""
+        return self._kd.layouts
+
+    def call(self, inputs, training=None):
+        # Symbolic calls only (the build, summary()); every step runs sharded.
+        return self.mirror(inputs, training=training)
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, *args, callbacks=None,
+            **kwargs):
+        """`keras.Model.fit`; each step runs on the shards.
+
+        Every batch must split over the mesh's `"batch"` axis: checked for
+        arrays and fixed-size datasets before any step.
+        """
+        self._check_data("fit", x, y, batch_size, needs_y=True)
+        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+            raise ValueError(
+                f"fit(): argument `epochs` must be a positive integer. Received: epochs={epochs!r}"
+            )
+        _check_callbacks(callbacks)
+        try:
+            return super().fit(x, y, batch_size, epochs, *args, callbacks=callbacks,
+                               **kwargs)
+        finally:
+            self._refresh_mirror()
+
+    def evaluate(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        """`keras.Model.evaluate`: the forward pass sharded, the loss and
+        metrics from the gathered predictions (any number of samples)."""
+        if not kwargs.get("_use_cached_eval_dataset", False):
+            self._check_data("evaluate", x, y, batch_size, needs_y=True)
+        self._refresh_mirror()  # weight regularizers read the mirror
+        return super().evaluate(x, y, batch_size, *args, **kwargs)
+
+    def predict(self, x, batch_size=None, *args, **kwargs):
+        """`keras.Model.predict`, gathered on the host (any number of samples)."""
+        self._check_data("predict", x, None, batch_size, needs_y=False)
+        return super().predict(x, batch_size, *args, **kwargs)
+
+    def make_train_function(self, force=False):
+        if self.train_function is None or force:
+            self.train_function = self._per_execution(self._train_batch)
+        return self.train_function
+
+    def make_test_function(self, force=False):
+        if self.test_function is None or force:
+            self.test_function = self._per_execution(self._test_batch)
+        return self.test_function
+
+    def make_predict_function(self, force=False):
+        if self.predict_function is None or force:
+            def predict_function(batches):
+                outputs = [self._forward(keras.utils.unpack_x_y_sample_weight(b)[0])
+                           for b in batches]
+                return tf.nest.map_structure(
+                    lambda *parts: tf.concat(parts, axis=0), *outputs
+                )
+
+            self.predict_function = predict_function
+        return self.predict_function
+
+    def get_weights(self) -> list[np.ndarray]:
+        """The model's weights, gathered, as numpy arrays (Keras' order)."""
+        return [self._get(v.value) for v in self._kd.model.weights]
+
+    def set_weights(self, weights) -> None:
+        """Scatters `weights` (Keras' order) to the shards."""
+        targets = self._kd.model.weights
+        if len(weights) != len(targets):
+            raise ValueError(
+                f"Argument `weights` has {len(weights)} arrays; the model has "
+                f"{len(targets)} variables."
+            )
+        for target, value in zip(targets, weights):
+            value = np.asarray(value)
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"Variable {target.path!r} has shape {tuple(target.shape)}; "
+                    f"argument `weights` gives {tuple(value.shape)}."
+                )
+        for target, value in zip(targets, weights):
+            target.assign(self._put(np.asarray(value), self._kd.layouts[target.path]))
+        self._refresh_mirror()
 
     # -- variables ---------------------------------------------------------
 
@@ -159,14 +279,15 @@ class ShardedModel:
         scope = tf.get_current_name_scope()
         path = f"{scope}/{name}" if scope else name
         base = re.sub(r"^[^/]*/", "", path)
-        layout = self.layouts.get(path, self.layouts.get(base))
+        layouts = self._kd.layouts
+        layout = layouts.get(path, layouts.get(base))
         if layout is None:
             for prefix, candidate in self._slot_prefixes:
                 if base.startswith(prefix + "_") and candidate.rank == initial.shape.rank:
                     layout = candidate
                     break
         if layout is None:
-            layout = dtensor.Layout.replicated(self.dmesh, initial.shape.rank)
+            layout = dtensor.Layout.replicated(self._kd.dmesh, initial.shape.rank)
         return dtensor.DVariable(
             self._put(initial, layout),
             trainable=kwargs.get("trainable", True),
@@ -176,19 +297,19 @@ class ShardedModel:
     def _put(self, value, layout):
         value = tf.convert_to_tensor(value)
         replicated = dtensor.copy_to_mesh(
-            value, dtensor.Layout.replicated(self.dmesh, value.shape.rank)
+            value, dtensor.Layout.replicated(self._kd.dmesh, value.shape.rank)
         )
         return dtensor.relayout(replicated, layout)
 
     def _get(self, value) -> np.ndarray:
         value = value.read_value() if hasattr(value, "read_value") else value
         rank = value.shape.rank
-        gathered = dtensor.relayout(value, dtensor.Layout.replicated(self.dmesh, rank))
+        gathered = dtensor.relayout(value, dtensor.Layout.replicated(self._kd.dmesh, rank))
         return dtensor.unpack(gathered)[0].numpy()
 
-    def get_weights(self) -> list[np.ndarray]:
-        """The model's weights, gathered, as numpy arrays (Keras' order)."""
-        return [self._get(v.value) for v in self.model.weights]
+    def _refresh_mirror(self) -> None:
+        for target, value in zip(self.mirror.weights, self.get_weights()):
+            target.assign(value)
 
     def bytes_per_device(self) -> dict[str, int]:
         """Bytes each device holds, measured from the live variables' shards.
@@ -206,8 +327,8 @@ class ShardedModel:
                 whole += math.prod(value.shape) * value.dtype.size
             return on_device, whole
 
-        model_bytes, model_whole = held(self.model.weights)
-        opt_bytes, opt_whole = held(self.model.optimizer.variables)
+        model_bytes, model_whole = held(self._kd.model.weights)
+        opt_bytes, opt_whole = held(self._kd.model.optimizer.variables)
         return {
             "variables": model_bytes,
             "optimizer": opt_bytes,
@@ -215,57 +336,85 @@ class ShardedModel:
             "replicated_optimizer": opt_whole,
         }
 
-    # -- input -------------------------------------------------------------
+    # -- steps -------------------------------------------------------------
 
     def _batch_split(self) -> int:
-        return dict(zip(self.mesh.axis_names, self.mesh.shape)).get(BATCH_AXIS, 1)
+        return dict(zip(self._kd.mesh.axis_names, self._kd.mesh.shape)).get(BATCH_AXIS, 1)
 
-    def _put_batch(self, array):
-        array = np.asarray(array)
-        axes = [dtensor.UNSHARDED] * array.ndim
-        if BATCH_AXIS in self.mesh.axis_names:
+    def _put_batch(self, value):
+        value = tf.convert_to_tensor(value)
+        axes = [dtensor.UNSHARDED] * value.shape.rank
+        if BATCH_AXIS in self._kd.mesh.axis_names and axes:
             axes[0] = BATCH_AXIS
-        return self._put(array, dtensor.Layout(axes, self.dmesh))
+        return self._put(value, dtensor.Layout(axes, self._kd.dmesh))
 
-    def _inputs(self, structure):
-        """Numpy arrays (or a nest of them) -> DTensors split over "batch"."""
-        leaves = tf.nest.flatten(structure)
-        count = len(leaves[0])
+    def _gather(self, structure):
+        return tf.nest.map_structure(lambda v: tf.constant(self._get(v)), structure)
+
+    def _per_execution(self, run_batch):
+        """A Keras train/test function: `steps_per_execution` batches per call."""
+
+        def function(iterator):
+            logs = None
+            for _ in range(self.steps_per_execution):
+                try:
+                    data = next(iterator)
+                except (StopIteration, tf.errors.OutOfRangeError):
+                    if logs is None:
+                        raise
+                    break
+                logs = run_batch(data)
+            return logs
+
+        return function
+
+    def _steps(self):
+        if self._kd_steps is None:
+            self._kd_steps = _make_steps(self._kd.model, self._kd.layouts)
+        return self._kd_steps
+
+    def _train_batch(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        count = int(tf.shape(tf.nest.flatten(x)[0])[0])
         split = self._batch_split()
         if count % split:
             raise ValueError(
-                f"A batch of {count} samples cannot be split over the mesh axis "
-                f"{BATCH_AXIS!r} of size {split}. Use a batch size divisible by "
-                f"{split} (for a tf.data.Dataset: batch(..., drop_remainder=True))."
+                f"fit(): a batch of {count} samples cannot be split over the mesh "
+                f"axis {BATCH_AXIS!r} of size {split}. Use a batch size divisible "
+                f"by {split} (for a tf.data.Dataset: batch(..., drop_remainder=True))."
             )
-        return tf.nest.map_structure(self._put_batch, structure)
+        train, _ = self._steps()
+        put = lambda s: None if s is None else tf.nest.map_structure(self._put_batch, s)  # noqa: E731
+        loss, y_pred = train(put(x), put(y), put(sample_weight))
+        return self._host_logs(x, y, self._gather(y_pred), sample_weight,
+                               tf.constant(self._get(loss)))
 
-    def _batches(self, x, y, batch_size, *, shuffle=False, rng=None, with_y=True):
-        """Yields (x, y) numpy batches from arrays or a batched tf.data.Dataset."""
-        if isinstance(x, tf.data.Dataset):
-            for element in x.as_numpy_iterator():
-                if with_y:
-                    if not isinstance(element, tuple) or len(element) != 2:
-                        raise ValueError(
-                            "Argument `x` must yield (inputs, targets) pairs: "
-                            "sample weights are not supported by ShardedModel. "
-                            f"Received an element of type {type(element).__name__}"
-                            + (f" with {len(element)} parts."
-                               if isinstance(element, tuple) else ".")
-                        )
-                    yield element
-                else:
-                    yield (element[0] if isinstance(element, tuple) else element), None
-            return
-        count = len(tf.nest.flatten(x)[0])
-        order = rng.permutation(count) if shuffle else np.arange(count)
-        for start in range(0, count, batch_size):
-            index = order[start : start + batch_size]
-            xb = tf.nest.map_structure(lambda a, i=index: np.asarray(a)[i], x)
-            yb = None if y is None else tf.nest.map_structure(
-                lambda a, i=index: np.asarray(a)[i], y
+    def _forward(self, x):
+        """Predictions for one batch, gathered; a short batch is padded to
+        split over "batch" (its last sample repeated) and the padding dropped."""
+        _, predict = self._steps()
+        count = int(tf.shape(tf.nest.flatten(x)[0])[0])
+        pad = -count % self._batch_split()
+        if pad:
+            x = tf.nest.map_structure(
+                lambda a: tf.concat([a, tf.repeat(a[-1:], pad, axis=0)], axis=0), x
             )
-            yield xb, yb
+        outputs = self._gather(predict(tf.nest.map_structure(self._put_batch, x)))
+        return tf.nest.map_structure(lambda o: o[:count], outputs)
+
+    def _test_batch(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self._forward(x)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                 training=False)
+        return self._host_logs(x, y, y_pred, sample_weight, loss)
+
+    def _host_logs(self, x, y, y_pred, sample_weight, loss):
+        """Keras' loss tracker and compiled metrics, on the host."""
+        self._loss_tracker.update_state(
+            loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0]
+        )
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _check_data(self, method, x, y, batch_size, needs_y):
         split = self._batch_split()
@@ -290,6 +439,10 @@ class ShardedModel:
                             f"divisible by {split}."
                         )
             return
+        if not _is_arrays(x):
+            return  # a generator or PyDataset: each batch is checked as it comes
+        if batch_size is None:
+            batch_size = 32  # Keras' default
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(
                 f"{method}(): argument `batch_size` must be a positive integer. "
@@ -314,180 +467,39 @@ class ShardedModel:
                 f"samples whose remainder is divisible by {split}."
             )
 
-    # -- training ----------------------------------------------------------
-
-    def _make_train_step(self):
-        model = self.model
-        layouts = self.layouts
-
-        @tf.function
-        def gradients_of(x, y):
-            with tf.GradientTape() as tape:
-                y_pred = model(x, training=True)
-                loss = model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
-            gradients = tape.gradient(loss, model.trainable_variables)
-            # DTensor has no layout propagation for sparse updates
-            # (ResourceScatterSub): embedding gradients are made dense.
-            gradients = [
-                tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                for g in gradients
-            ]
-            # Each gradient in its variable's layout: a replicated bias next
-            # to a column-sharded kernel otherwise got a gradient laid out
-            # like the kernel's output, and its update came out wrong (107
-            # away from one device after 4 steps).
-            gradients = [
-                dtensor.relayout(g, layouts[v.path])
-                for g, v in zip(gradients, model.trainable_variables)
-            ]
-            return loss, gradients
-
-        # The update runs in its own function: inside the one that computes
-        # the gradients, with batch-sharded inputs, Keras' momentum and Adam
-        # updates were lost or misordered (weights 0.1-30 away from one
-        # device after 8 steps; plain SGD was exact). Split, all match.
-        @tf.function
-        def apply(gradients):
-            model.optimizer.apply(gradients, model.trainable_variables)
-
-        def step(x, y):
-            loss, gradients = gradients_of(x, y)
-            apply(gradients)
-            return loss
-
-        return step
-
-    def fit(self, x, y=None, batch_size: int = 32, epochs: int = 1, shuffle: bool = False,
-            seed: int = 0, verbose: int = 0) -> dict:
-        """Trains on numpy arrays (or nests of them) or a batched `tf.data.Dataset`.
-
-        Args:
-            x: Inputs: an array, a list/dict of arrays, or a `tf.data.Dataset`
-                of `(inputs, targets)` batches (every batch divisible by the
-                mesh's `"batch"` axis: `batch(..., drop_remainder=True)`).
-            y: Targets for array inputs; `None` with a dataset.
-            batch_size: Global batch for array inputs, split over `"batch"`.
-            epochs: Passes over the data.
-            shuffle: Reshuffle array inputs each epoch (seeded by `seed`).
-            seed: Seed of the shuffle.
-            verbose: 1 prints each epoch's mean loss.
-
-        Returns:
-            `{"loss": [mean training loss of each epoch]}`.
-        """
-        self._check_data("fit", x, y, batch_size, needs_y=True)
-        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
-            raise ValueError(
-                f"fit(): argument `epochs` must be a positive integer. Received: epochs={epochs!r}"
-            )
-        if self._train_step is None:
-            self._train_step = self._make_train_step()
-        history = {"loss": []}
-        rng = np.random.default_rng(seed)
-        for epoch in range(epochs):
-            losses = []  # read once per epoch: no host sync per step
-            for xb, yb in self._batches(x, y, batch_size, shuffle=shuffle, rng=rng):
-                loss = self._train_step(self._inputs(xb), self._inputs(yb))
-                losses.append((loss, len(tf.nest.flatten(xb)[0])))
-            count = sum(n for _, n in losses)
-            total = sum(float(self._get(loss)) * n for loss, n in losses)
-            history["loss"].append(total / max(count, 1))
-            if verbose:
-                print(f"Epoch {epoch + 1}/{epochs} - loss: {history['loss'][-1]:.4f}")
-        return history
-
-    def _predict_batches(self, x, y, batch_size, with_y):
-        if self._predict_step is None:
-            model = self.model
-            self._predict_step = tf.function(lambda batch: model(batch, training=False))
-        split = self._batch_split()
-        for xb, yb in self._batches(x, y, batch_size, with_y=with_y):
-            count = len(tf.nest.flatten(xb)[0])
-            # A short last batch is padded (repeating its last sample) to
-            # split over "batch"; the padding's predictions are dropped.
-            pad = -count % split
-            if pad:
-                padded = tf.nest.map_structure(
-                    lambda a: np.concatenate([a, np.repeat(a[-1:], pad, axis=0)]), xb
-                )
-            else:
-                padded = xb
-            pred = self._get(self._predict_step(self._inputs(padded)))
-            yield xb, yb, pred[:count]
-
-    def predict(self, x, batch_size: int = 32) -> np.ndarray:
-        """Predictions for arrays or a `tf.data.Dataset`, gathered on the host.
-
-        Any number of samples: a short last batch is padded to split over the
-        mesh's `"batch"` axis and the padding dropped.
-        """
-        self._check_data("predict", x, None, batch_size, needs_y=False)
-        return np.concatenate(
-            [pred for _, _, pred in self._predict_batches(x, None, batch_size, False)]
-        )
-
-    def evaluate(self, x, y=None, batch_size: int = 32) -> dict[str, float]:
-        """Loss and compiled metrics, like `keras.Model.evaluate(return_dict=True)`.
-
-        The forward pass runs sharded; the loss and metrics are computed from
-        the gathered predictions with the model's compiled loss and metrics
-        (sample-weighted mean over all batches, as Keras does).
-        """
-        self._check_data("evaluate", x, y, batch_size, needs_y=True)
-        host = self._host_metrics()
-        host.reset_metrics()
-        total, count, results = 0.0, 0, {}
-        for xb, yb, pred in self._predict_batches(x, y, batch_size, True):
-            samples = len(pred)
-            loss = host.compute_loss(x=xb, y=yb, y_pred=pred, training=False)
-            total += float(loss) * samples
-            count += samples
-            results = host.compute_metrics(xb, yb, pred, sample_weight=None)
-        results = {k: float(v) for k, v in results.items() if k != "loss"}
-        return {"loss": total / max(count, 1), **results}
-
-    def _plain_copy(self) -> keras.Model:
-        """An unsharded, compiled copy of the source model (its own weights)."""
-        host = keras.models.clone_model(self._source)
-        host.compile(**keras.saving.deserialize_keras_object(self._compile_arguments))
-        return host
-
-    def _host_metrics(self) -> keras.Model:
-        if self._host is None:
-            self._host = self._plain_copy()
-        return self._host
-
     # -- saving --------------------------------------------------------------
 
     def to_keras(self) -> keras.Model:
         """A plain compiled `keras.Model` holding the gathered weights and optimizer state.
 
-        What `save` and `save_weights` write; hand it to code that expects a
-        `keras.Model` (export, serving, Keras' own evaluate).
+        What `save` and `save_weights` write; hand it to code that expects an
+        unsharded model (export, serving).
         """
-        host = self._plain_copy()
+        host = keras.models.clone_model(self.mirror)
+        host.compile(**keras.saving.deserialize_keras_object(self._compile_arguments))
         host.optimizer.build(host.trainable_variables)
         for target, value in zip(host.weights, self.get_weights()):
             target.assign(value)
-        for target, source in zip(host.optimizer.variables, self.model.optimizer.variables):
+        for target, source in zip(host.optimizer.variables,
+                                  self._kd.model.optimizer.variables):
             target.assign(self._get(source.value))
         return host
 
-    def save(self, filepath: str) -> None:
+    def save(self, filepath, overwrite=True, **kwargs) -> None:
         """Saves a `.keras` file gathered to replicated, optimizer state included.
 
         `keras_dist.dtensor.load_model(filepath, mesh)` re-shards it onto any
         mesh; `keras.saving.load_model(filepath)` loads it unsharded.
         """
         _check_suffix("filepath", filepath, ".keras")
-        self.to_keras().save(filepath)
+        self.to_keras().save(filepath, overwrite=overwrite, **kwargs)
 
-    def save_weights(self, filepath: str) -> None:
+    def save_weights(self, filepath, overwrite=True, **kwargs) -> None:
         """Saves the gathered weights and optimizer state to a `.weights.h5` file."""
         _check_suffix("filepath", filepath, ".weights.h5")
-        self.to_keras().save_weights(filepath)
+        self.to_keras().save_weights(filepath, overwrite=overwrite, **kwargs)
 
-    def load_weights(self, filepath: str) -> None:
+    def load_weights(self, filepath, *args, **kwargs) -> None:
         """Loads a `.weights.h5` file (saved from any mesh, or by Keras) and re-shards it."""
         _check_suffix("filepath", filepath, ".weights.h5")
         if not os.path.isfile(filepath):
@@ -495,31 +507,93 @@ class ShardedModel:
                 f"Argument `filepath` names no file. Received: filepath={filepath!r}"
             )
         host = self.to_keras()
-        host.load_weights(filepath)
+        host.load_weights(filepath, *args, **kwargs)
         self._copy_from(host)
 
     def _copy_from(self, source: keras.Model) -> None:
         """Assigns `source`'s weights (and optimizer state, when built) to the shards."""
-        if len(source.weights) != len(self.model.weights):
+        copy = self._kd.model
+        if len(source.weights) != len(copy.weights):
             raise ValueError(
                 f"The weights come from a different model: {len(source.weights)} "
-                f"variables, this model has {len(self.model.weights)}."
+                f"variables, this model has {len(copy.weights)}."
             )
-        for origin, target in zip(source.weights, self.model.weights):
-            if tuple(origin.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"Variable {target.path!r} has shape {tuple(target.shape)}; "
-                    f"the weights given have {tuple(origin.shape)}."
-                )
-        for origin, target in zip(source.weights, self.model.weights):
-            target.assign(self._put(origin.numpy(), self.layouts[target.path]))
+        self.set_weights([w.numpy() for w in source.weights])
         slots = source.optimizer.variables if source.optimizer is not None else []
-        targets = self.model.optimizer.variables
+        targets = copy.optimizer.variables
         if len(slots) == len(targets) and all(
             tuple(a.shape) == tuple(b.shape) for a, b in zip(slots, targets)
         ):
             for origin, target in zip(slots, targets):
                 target.assign(self._put(origin.numpy(), dtensor.fetch_layout(target.value)))
+
+
+def _make_steps(model, layouts):
+    """The sharded copy's train step `(x, y, sample_weight) -> (loss, y_pred)`
+    and forward pass `x -> y_pred`."""
+
+    @tf.function
+    def gradients_of(x, y, sample_weight):
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True)
+            loss = model.compute_loss(x=x, y=y, y_pred=y_pred,
+                                      sample_weight=sample_weight, training=True)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        # DTensor has no layout propagation for sparse updates
+        # (ResourceScatterSub): embedding gradients are made dense.
+        gradients = [
+            tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+            for g in gradients
+        ]
+        # Each gradient in its variable's layout: a replicated bias next to a
+        # column-sharded kernel otherwise got a gradient laid out like the
+        # kernel's output, and its update came out wrong (107 away from one
+        # device after 4 steps).
+        gradients = [
+            dtensor.relayout(g, layouts[v.path])
+            for g, v in zip(gradients, model.trainable_variables)
+        ]
+        return loss, y_pred, gradients
+
+    # The update runs in its own function: inside the one that computes the
+    # gradients, with batch-sharded inputs, Keras' momentum and Adam updates
+    # were lost or misordered (weights 0.1-30 away from one device after 8
+    # steps; plain SGD was exact). Split, all match.
+    @tf.function
+    def apply(gradients):
+        model.optimizer.apply(gradients, model.trainable_variables)
+
+    def train(x, y, sample_weight):
+        loss, y_pred, gradients = gradients_of(x, y, sample_weight)
+        apply(gradients)
+        return loss, y_pred
+
+    predict = tf.function(lambda x: model(x, training=False))
+    return train, predict
+
+
+def _is_arrays(x) -> bool:
+    leaves = tf.nest.flatten(x)
+    return bool(leaves) and all(
+        isinstance(leaf, (np.ndarray, tf.Tensor)) or hasattr(leaf, "__array__")
+        for leaf in leaves
+    )
+
+
+def _check_callbacks(callbacks) -> None:
+    """keras_dist's callbacks that need a strategy's replicas: refused."""
+    from keras_dist.callbacks import BackupAndRestore, LearningRateScaler, PerReplicaMetrics
+
+    for callback in callbacks or []:
+        if isinstance(callback, (BackupAndRestore, LearningRateScaler, PerReplicaMetrics)):
+            raise ValueError(
+                f"Invalid callback in argument `callbacks`: {type(callback).__name__} "
+                "does not support a ShardedModel yet (it works with the replicas "
+                "of a tf.distribute strategy; a ShardedModel splits the batch "
+                "over the mesh's 'batch' axis). Received: "
+                f"callbacks=[..., {type(callback).__name__}(...), ...]. Use Keras' "
+                "ModelCheckpoint to save, and scale the learning rate yourself."
+            )
 
 
 def load_model(

@@ -19,6 +19,8 @@ import keras_dist.dtensor as kd  # noqa: E402
 kd.initialize(4)
 
 import keras  # noqa: E402
+
+import keras_dist.callbacks  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -123,13 +125,13 @@ def golden(mesh, kinds=KINDS):
                     other = build(kind, OPTIMIZERS[name](), jit_compile=True)
                     other.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
                 reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-                sharded.fit(x, y, batch_size=8, epochs=2)
+                sharded.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
                 row["max_diff"] = max_diff(sharded.get_weights(), reference.get_weights())
                 if needs_f64 and dtype == "float32":
                     row["xla_vs_plain_one_device"] = max_diff(
                         other.get_weights(), reference.get_weights())
                 row["predict_diff"] = float(np.abs(
-                    sharded.predict(x, 8) - reference.predict(x, 8, verbose=0)).max())
+                    sharded.predict(x, 8, verbose=0) - reference.predict(x, 8, verbose=0)).max())
                 row.update({f"bytes_{k}": v for k, v in sharded.bytes_per_device().items()})
                 print(json.dumps(row), flush=True)
     keras.config.set_floatx("float32")
@@ -159,7 +161,7 @@ def save(mesh, directory):
     x, y = classification_data()
     sharded = kd.shard(classifier(), mesh, kd.LayoutMapper(mesh, min_elements=0))
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
-    sharded.fit(dataset, epochs=1)
+    sharded.fit(dataset, epochs=1, verbose=0)
     sharded.save(os.path.join(directory, "model.keras"))
     sharded.save_weights(os.path.join(directory, "model.weights.h5"))
     np.savez(os.path.join(directory, "after_one_epoch.npz"), *sharded.get_weights())
@@ -177,7 +179,7 @@ def load(mesh, directory):
                              kd.LayoutMapper(mesh, min_elements=0))
     row["loaded_vs_saved"] = max_diff(restored.get_weights(), saved)
     row["sharded_on_load"] = restored.bytes_per_device()
-    restored.fit(x, y, batch_size=16, epochs=1)  # Adam state came with the file
+    restored.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)  # Adam state came too
     reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     row["second_epoch_vs_one_device"] = max_diff(restored.get_weights(),
                                                  reference.get_weights())
@@ -186,19 +188,20 @@ def load(mesh, directory):
     fresh.load_weights(os.path.join(directory, "model.weights.h5"))
     row["load_weights_vs_saved"] = max_diff(fresh.get_weights(), saved)
 
-    ours = restored.evaluate(x, y, batch_size=16)
+    ours = restored.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
     theirs = reference.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
     row["evaluate"] = ours
     row["evaluate_keras"] = theirs
     dataset = tf.data.Dataset.from_tensor_slices(x).batch(16, drop_remainder=True)
     row["predict_dataset_diff"] = float(np.abs(
-        restored.predict(dataset) - reference.predict(x, verbose=0)).max())
+        restored.predict(dataset, verbose=0) - reference.predict(x, verbose=0)).max())
     # 63 samples, batch 10: a last batch of 3 is padded to split over "batch".
-    row["evaluate_odd"] = restored.evaluate(x[:63], y[:63], batch_size=10)
+    row["evaluate_odd"] = restored.evaluate(x[:63], y[:63], batch_size=10, verbose=0,
+                                            return_dict=True)
     row["evaluate_odd_keras"] = reference.evaluate(
         x[:63], y[:63], batch_size=10, verbose=0, return_dict=True)
     row["predict_odd_diff"] = float(np.abs(
-        restored.predict(x[:63], batch_size=10) - reference.predict(x[:63], verbose=0)).max())
+        restored.predict(x[:63], batch_size=10, verbose=0) - reference.predict(x[:63], verbose=0)).max())
     print(json.dumps(row), flush=True)
 
 
@@ -221,11 +224,85 @@ def keras_layout_map(mesh):
         warnings.simplefilter("always")
         sharded = kd.shard(reference, mesh, layout_map)
     reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    sharded.fit(x, y, batch_size=8, epochs=2)
+    sharded.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     row = {"warnings": [str(w.message) for w in caught],
            "max_diff": max_diff(sharded.get_weights(), reference.get_weights())}
     row.update({f"bytes_{k}": v for k, v in sharded.bytes_per_device().items()})
     print(json.dumps(row), flush=True)
+
+
+def callbacks(mesh, directory):
+    """Keras' callbacks on a sharded model, against the same on one device:
+    EarlyStopping restoring the best weights, ModelCheckpoint, and Keras'
+    BackupAndRestore across a SIGKILL (one JSON line)."""
+    import subprocess
+
+    x, y = data("conv")
+    x_val, y_val = x[:16] + 0.5, y[:16]
+    row = {}
+
+    def early_stopping():
+        return keras.callbacks.EarlyStopping(monitor="val_loss", patience=1,
+                                             restore_best_weights=True)
+
+    # EarlyStopping on a validation loss that starts rising (a high learning
+    # rate on a shifted validation set): stops and restores the best epoch.
+    reference = build("conv", keras.optimizers.SGD(0.05, momentum=0.9))
+    sharded = kd.shard(build("conv", keras.optimizers.SGD(0.05, momentum=0.9)), mesh,
+                       kd.LayoutMapper(mesh, min_elements=0))
+    fits = {}
+    for name, model in (("reference", reference), ("sharded", sharded)):
+        fits[name] = model.fit(x, y, batch_size=8, epochs=30, shuffle=False, verbose=0,
+                               validation_data=(x_val, y_val), callbacks=[early_stopping()])
+    row["history_type"] = type(fits["sharded"]).__name__
+    row["epochs"] = [len(f.history["loss"]) for f in fits.values()]
+    row["history_diff"] = max(
+        float(np.max(np.abs(np.array(fits["sharded"].history[k]) -
+                            np.array(fits["reference"].history[k]))))
+        for k in fits["reference"].history)
+    row["early_stopping_diff"] = max_diff(sharded.get_weights(), reference.get_weights())
+
+    # ModelCheckpoint: a plain .keras file per epoch, weights as trained.
+    sharded = kd.shard(build("conv", OPTIMIZERS["adam"]()), mesh,
+                       kd.LayoutMapper(mesh, min_elements=0))
+    path = os.path.join(directory, "epoch{epoch}.keras")
+    sharded.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                callbacks=[keras.callbacks.ModelCheckpoint(path)])
+    saved = keras.saving.load_model(path.format(epoch=2))
+    row["checkpoint_files"] = sorted(os.listdir(directory))
+    row["checkpoint_diff"] = max_diff(saved.get_weights(), sharded.get_weights())
+
+    # Keras' BackupAndRestore: killed (SIGKILL) after epoch 2 of 4 in another
+    # process, resumed here; equals 4 uninterrupted epochs on one device.
+    backup = os.path.join(directory, "backup")
+    killed = subprocess.run([sys.executable, __file__, "backup_killed", sys.argv[2], backup],
+                            capture_output=True, text=True, timeout=600)
+    row["killed_returncode"] = killed.returncode
+    reference = build("conv", OPTIMIZERS["adam"]())
+    reference.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0)
+    resumed = kd.shard(build("conv", OPTIMIZERS["adam"]()), mesh,
+                       kd.LayoutMapper(mesh, min_elements=0))
+    history = resumed.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0,
+                          callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    row["resumed_epochs"] = len(history.history["loss"])
+    row["resumed_diff"] = max_diff(resumed.get_weights(), reference.get_weights())
+    print(json.dumps(row), flush=True)
+
+
+def backup_killed(mesh, backup):
+    """Trains with Keras' BackupAndRestore and is SIGKILLed after epoch 2."""
+    import signal
+
+    class Kill(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    x, y = data("conv")
+    sharded = kd.shard(build("conv", OPTIMIZERS["adam"]()), mesh,
+                       kd.LayoutMapper(mesh, min_elements=0))
+    sharded.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0,
+                callbacks=[keras.callbacks.BackupAndRestore(backup), Kill()])
 
 
 def errors(mesh, directory):
@@ -246,6 +323,8 @@ def errors(mesh, directory):
         "load_missing": lambda: sharded.load_weights(
             os.path.join(directory, "none.weights.h5")),
         "layout_map_type": lambda: kd.shard(classifier(), mesh, {"up/kernel": (None, "model")}),
+        "callback_refused": lambda: sharded.fit(
+            x, y, batch_size=16, callbacks=[keras_dist.callbacks.LearningRateScaler()]),
     }
     messages = {}
     for name, call in calls.items():
@@ -266,6 +345,10 @@ if __name__ == "__main__":
         golden(mesh, sys.argv[3].split(",") if len(sys.argv) > 3 else KINDS)
     elif mode == "layout_map":
         keras_layout_map(mesh)
+    elif mode == "callbacks":
+        callbacks(mesh, sys.argv[3])
+    elif mode == "backup_killed":
+        backup_killed(mesh, sys.argv[3])
     elif mode == "save":
         save(mesh, sys.argv[3])
     elif mode == "load":

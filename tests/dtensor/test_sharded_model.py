@@ -35,6 +35,8 @@ def runs(tmp_path_factory):
                              [sys.executable, SCRIPT, "load", "model4", saved]]
     commands["errors"] = [sys.executable, SCRIPT, "errors", "batch2_model2", errors]
     commands["layout_map"] = [sys.executable, SCRIPT, "layout_map", "batch2_model2"]
+    callbacks = str(tmp_path_factory.mktemp("callbacks"))
+    commands["callbacks"] = [sys.executable, SCRIPT, "callbacks", "batch2_model2", callbacks]
     done = run_concurrently(commands)
     return done, saved, errors
 
@@ -144,6 +146,8 @@ def test_bad_arguments_are_named_before_any_step(runs):
         "save_suffix": "must be a path ending in '.keras'. Received: filepath=",
         "load_missing": "FileNotFoundError: Argument `filepath` names no file",
         "layout_map_type": "TypeError: Argument `layout_map` must be a",
+        "callback_refused": "ValueError: Invalid callback in argument `callbacks`: "
+        "LearningRateScaler does not support a ShardedModel yet",
     }
     for name, text in expected.items():
         assert messages[name] is not None and text in messages[name], (name, messages[name])
@@ -179,3 +183,19 @@ def test_a_keras_layout_map_written_for_jax_is_used_unchanged(runs):
     replicated = 4 * (3 * 4 * 16 + 16 + 24 + 24 * 3 + 3)
     assert row["bytes_replicated_variables"] == sharded + replicated
     assert row["bytes_variables"] == sharded // 2 + replicated
+
+
+def test_a_sharded_model_is_a_keras_model_with_keras_callbacks(runs):
+    # Keras' own fit loop drives the sharded steps: History, validation,
+    # EarlyStopping restoring the best weights, ModelCheckpoint writing plain
+    # .keras files, and Keras' BackupAndRestore resuming a SIGKILLed run.
+    [row] = rows_of(runs[0]["callbacks"])
+    assert row["history_type"] == "History"
+    assert row["epochs"][0] == row["epochs"][1] < 30, row  # stopped early, alike
+    assert row["history_diff"] < 1e-5, row  # loss, val_loss per epoch
+    assert row["early_stopping_diff"] < 1e-5, row
+    assert row["checkpoint_files"] == ["epoch1.keras", "epoch2.keras"]
+    assert row["checkpoint_diff"] == 0.0
+    assert row["killed_returncode"] == -9  # SIGKILL after epoch 2 of 4
+    assert row["resumed_epochs"] == 2, row  # epochs 3 and 4 only
+    assert row["resumed_diff"] < 1e-5, row  # = 4 uninterrupted epochs (Adam)
