@@ -56,10 +56,10 @@ else:
     # every variable replicated.
     sharded = kd.shard(model, mesh, None if "model" in shape
                        else keras.distribution.LayoutMap(mesh))
-    sharded.fit(x, y, batch_size=args.batch, epochs=1)  # warm-up: tracing
+    sharded.fit(x, y, batch_size=args.batch, epochs=1, verbose=0)  # warm-up: tracing
     for _ in range(args.epochs):
         start = time.perf_counter()
-        sharded.fit(x, y, batch_size=args.batch, epochs=1)
+        sharded.fit(x, y, batch_size=args.batch, epochs=1, verbose=0)
         times.append((time.perf_counter() - start) / args.steps * 1e3)
     memory = sharded.bytes_per_device()
 print("RESULT " + json.dumps({"ms_per_step": times, **{f"bytes_{k}": v

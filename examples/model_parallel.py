@@ -79,20 +79,22 @@ def main(smoke: bool) -> dict:
     mapper = kd.LayoutMapper(mesh, min_elements=256, rules={"classifier/.*": None})
     mapper.summary(model)
 
-    # keras_dist: a sharded copy of the compiled model; its variables and
-    # Adam slots live in shards, the batch is split over "batch".
+    # keras_dist: a sharded copy of the compiled model, itself a Keras model;
+    # its variables and Adam slots live in shards, the batch is split over
+    # "batch", and Keras' fit loop (callbacks, validation) drives it.
     sharded = kd.shard(model, mesh, mapper)
     history = sharded.fit(
         x_train, y_train, batch_size=64, epochs=2 if smoke else 12, shuffle=True,
-        verbose=0 if smoke else 1,
-    )
+        validation_split=0.1, verbose=0 if smoke else 2,
+        callbacks=[keras.callbacks.EarlyStopping(patience=3, restore_best_weights=True)],
+    ).history
     memory = sharded.bytes_per_device()
     print(
         f"bytes per device: variables {memory['variables']:,} of "
         f"{memory['replicated_variables']:,}, optimizer {memory['optimizer']:,} of "
         f"{memory['replicated_optimizer']:,}"
     )
-    result = sharded.evaluate(x_test, y_test, batch_size=64)
+    result = sharded.evaluate(x_test, y_test, batch_size=64, verbose=0, return_dict=True)
     print(f"first loss {history['loss'][0]:.4f}  last loss {history['loss'][-1]:.4f}")
     print(f"test loss {result['loss']:.4f}  test accuracy {result['accuracy']:.4f}")
 
@@ -102,7 +104,8 @@ def main(smoke: bool) -> dict:
         path = os.path.join(directory, "digits_attention.keras")
         sharded.save(path)
         restored = kd.load_model(path, mesh, mapper)
-        again = restored.evaluate(x_test, y_test, batch_size=64)
+        again = restored.evaluate(x_test, y_test, batch_size=64, verbose=0,
+                                  return_dict=True)
     print(f"reloaded test accuracy {again['accuracy']:.4f}")
     return {"history": history, **result}
 

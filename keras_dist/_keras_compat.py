@@ -304,6 +304,11 @@ KERAS_CALLBACK_STATE = {
 have no `get_state()`: saved in a backup, set again on resume."""
 
 
+def loss_tracker(model) -> keras.metrics.Mean:
+    """The `Mean` behind a compiled model's `loss` log."""
+    return model._loss_tracker
+
+
 def set_initial_epoch(model, epoch: int | None) -> None:
     """Keras' fit reads `model._initial_epoch` after `on_train_begin`."""
     model._initial_epoch = epoch

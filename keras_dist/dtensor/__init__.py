@@ -8,8 +8,9 @@ per-device memory summary. Keras' own vocabulary (`DeviceMesh`,
 `TensorLayout`, `LayoutMap`) is used throughout, so a map means the same
 thing on every backend.
 
-`shard(model, mesh, layout_map)` (a preview) trains a copy of a compiled
-model whose variables and optimizer slots are sharded `DVariable`s.
+`shard(model, mesh, layout_map)` (a preview) returns a `ShardedModel`, a
+`keras.Model` trained by Keras' own fit loop on a copy of a compiled model
+whose variables and optimizer slots are sharded `DVariable`s.
 """
 
 from keras_dist.dtensor.layout_mapper import LayoutMapper

@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from keras_dist import _keras_compat
 from keras_dist.dtensor.layout_mapper import LayoutMapper, convolution_variables
 
 BATCH_AXIS = "batch"
@@ -198,7 +199,8 @@ class ShardedModel(keras.Model):
         Every batch must split over the mesh's `"batch"` axis: checked for
         arrays and fixed-size datasets before any step.
         """
-        self._check_data("fit", x, y, batch_size, needs_y=True)
+        self._check_data("fit", x, y, batch_size, needs_y=True,
+                         validation_split=kwargs.get("validation_split", 0.0))
         if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
             raise ValueError(
                 f"fit(): argument `epochs` must be a positive integer. Received: epochs={epochs!r}"
@@ -411,12 +413,12 @@ class ShardedModel(keras.Model):
 
     def _host_logs(self, x, y, y_pred, sample_weight, loss):
         """Keras' loss tracker and compiled metrics, on the host."""
-        self._loss_tracker.update_state(
+        _keras_compat.loss_tracker(self).update_state(
             loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0]
         )
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def _check_data(self, method, x, y, batch_size, needs_y):
+    def _check_data(self, method, x, y, batch_size, needs_y, validation_split=0.0):
         split = self._batch_split()
         if isinstance(x, tf.data.Dataset):
             if y is not None:
@@ -459,10 +461,12 @@ class ShardedModel(keras.Model):
                 f"{method}(): argument `y` is required with array inputs. Received: y=None"
             )
         count = len(tf.nest.flatten(x)[0])
+        if validation_split:
+            count = int(math.floor(count * (1.0 - validation_split)))  # as Keras splits
         if method == "fit" and count % batch_size % split:
             raise ValueError(
                 f"{method}(): the last batch of {count % batch_size} samples "
-                f"({count} samples, batch_size={batch_size}) cannot be split over "
+                f"({count} training samples, batch_size={batch_size}) cannot be split over "
                 f"the mesh axis {BATCH_AXIS!r} of size {split}. Pass a number of "
                 f"samples whose remainder is divisible by {split}."
             )
@@ -581,19 +585,26 @@ def _is_arrays(x) -> bool:
 
 
 def _check_callbacks(callbacks) -> None:
-    """keras_dist's callbacks that need a strategy's replicas: refused."""
+    """keras_dist's callbacks that work with a strategy's replicas: refused."""
     from keras_dist.callbacks import BackupAndRestore, LearningRateScaler, PerReplicaMetrics
 
+    fixes = {
+        BackupAndRestore: "Use keras.callbacks.BackupAndRestore (it resumes a "
+        "ShardedModel at epoch boundaries)",
+        LearningRateScaler: "Scale the learning rate yourself (by the size of the "
+        "mesh's 'batch' axis)",
+        PerReplicaMetrics: "Remove it (a ShardedModel has no replicas to compare)",
+    }
     for callback in callbacks or []:
-        if isinstance(callback, (BackupAndRestore, LearningRateScaler, PerReplicaMetrics)):
-            raise ValueError(
-                f"Invalid callback in argument `callbacks`: {type(callback).__name__} "
-                "does not support a ShardedModel yet (it works with the replicas "
-                "of a tf.distribute strategy; a ShardedModel splits the batch "
-                "over the mesh's 'batch' axis). Received: "
-                f"callbacks=[..., {type(callback).__name__}(...), ...]. Use Keras' "
-                "ModelCheckpoint to save, and scale the learning rate yourself."
-            )
+        for kind, fix in fixes.items():
+            if isinstance(callback, kind):
+                raise ValueError(
+                    f"Invalid callback in argument `callbacks`: {kind.__name__} "
+                    "does not support a ShardedModel yet (it works with the "
+                    "replicas of a tf.distribute strategy; a ShardedModel splits "
+                    "the batch over the mesh's 'batch' axis). Received: "
+                    f"callbacks=[..., {kind.__name__}(...), ...]. {fix}."
+                )
 
 
 def load_model(

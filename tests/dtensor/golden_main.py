@@ -323,6 +323,8 @@ def errors(mesh, directory):
         "load_missing": lambda: sharded.load_weights(
             os.path.join(directory, "none.weights.h5")),
         "layout_map_type": lambda: kd.shard(classifier(), mesh, {"up/kernel": (None, "model")}),
+        "validation_split_last_batch": lambda: sharded.fit(
+            x[:60], y[:60], batch_size=16, validation_split=0.05),
         "callback_refused": lambda: sharded.fit(
             x, y, batch_size=16, callbacks=[keras_dist.callbacks.LearningRateScaler()]),
     }

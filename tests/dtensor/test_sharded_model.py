@@ -137,7 +137,7 @@ def test_bad_arguments_are_named_before_any_step(runs):
     expected = {
         "batch_size_not_divisible": "ValueError: fit(): argument `batch_size` must be "
         "divisible by the mesh axis 'batch' of size 2. Received: batch_size=15",
-        "last_batch_not_divisible": "the last batch of 15 samples (63 samples, "
+        "last_batch_not_divisible": "the last batch of 15 samples (63 training samples, "
         "batch_size=16) cannot be split",
         "y_missing": "argument `y` is required",
         "epochs_zero": "Received: epochs=0",
@@ -146,6 +146,9 @@ def test_bad_arguments_are_named_before_any_step(runs):
         "save_suffix": "must be a path ending in '.keras'. Received: filepath=",
         "load_missing": "FileNotFoundError: Argument `filepath` names no file",
         "layout_map_type": "TypeError: Argument `layout_map` must be a",
+        # 60 samples, 5% held out for validation as Keras splits them
+        # (floor): 57 train, and batch 16 leaves a last batch of 9.
+        "validation_split_last_batch": "the last batch of 9 samples (57 training samples",
         "callback_refused": "ValueError: Invalid callback in argument `callbacks`: "
         "LearningRateScaler does not support a ShardedModel yet",
     }
