@@ -78,8 +78,8 @@ class ShardedModel(keras.Model):
     `optimizer` is that copy's (learning-rate callbacks change it), and
     `get_weights` / `set_weights` / `save` / `save_weights` /
     `load_weights` gather from and scatter to the shards. `weights` are a
-    host mirror of the shards, refreshed at the end of every `fit`,
-    `evaluate` and epoch.
+    host mirror of the shards, refreshed at the end of every `fit` and
+    before every `evaluate` (also `fit`'s validation).
     """
 
     def __init__(self, model, mesh, layout_map=None):
@@ -542,7 +542,10 @@ def _make_steps(model, layouts):
             y_pred = model(x, training=True)
             loss = model.compute_loss(x=x, y=y, y_pred=y_pred,
                                       sample_weight=sample_weight, training=True)
-        gradients = tape.gradient(loss, model.trainable_variables)
+            # As Keras' train step: a LossScaleOptimizer scales the loss (its
+            # update unscales the gradients); other optimizers leave it.
+            scaled = model.optimizer.scale_loss(loss)
+        gradients = tape.gradient(scaled, model.trainable_variables)
         # DTensor has no layout propagation for sparse updates
         # (ResourceScatterSub): embedding gradients are made dense.
         gradients = [

@@ -272,6 +272,26 @@ def callbacks(mesh, directory):
     row["checkpoint_files"] = sorted(os.listdir(directory))
     row["checkpoint_diff"] = max_diff(saved.get_weights(), sharded.get_weights())
 
+    # steps_per_execution=3 and class_weight, as Keras' fit takes them.
+    def classifier_of(steps_per_execution):
+        model = classifier()
+        model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
+                      "sparse_categorical_crossentropy", metrics=["accuracy"],
+                      steps_per_execution=steps_per_execution)
+        return model
+
+    cx, cy = classification_data()
+    weights = {0: 1.0, 1: 2.0, 2: 0.5, 3: 1.5}
+    reference = classifier_of(1)
+    expected = reference.fit(cx, cy, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                             class_weight=weights).history
+    sharded = kd.shard(classifier_of(3), mesh, kd.LayoutMapper(mesh, min_elements=0))
+    got = sharded.fit(cx, cy, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                      class_weight=weights).history
+    row["class_weight_logs_diff"] = max(
+        float(np.max(np.abs(np.array(got[k]) - np.array(expected[k])))) for k in expected)
+    row["class_weight_diff"] = max_diff(sharded.get_weights(), reference.get_weights())
+
     # Keras' BackupAndRestore: killed (SIGKILL) after epoch 2 of 4 in another
     # process, resumed here; equals 4 uninterrupted epochs on one device.
     backup = os.path.join(directory, "backup")

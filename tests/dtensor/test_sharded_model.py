@@ -199,6 +199,9 @@ def test_a_sharded_model_is_a_keras_model_with_keras_callbacks(runs):
     assert row["early_stopping_diff"] < 1e-5, row
     assert row["checkpoint_files"] == ["epoch1.keras", "epoch2.keras"]
     assert row["checkpoint_diff"] == 0.0
+    # steps_per_execution=3 with class weights = one device, one step a call.
+    assert row["class_weight_logs_diff"] < 1e-5, row
+    assert row["class_weight_diff"] < 1e-5, row
     assert row["killed_returncode"] == -9  # SIGKILL after epoch 2 of 4
     assert row["resumed_epochs"] == 2, row  # epochs 3 and 4 only
     assert row["resumed_diff"] < 1e-5, row  # = 4 uninterrupted epochs (Adam)
