@@ -212,6 +212,19 @@ def configure_collectives(cluster_spec, task_type: str, task_id: int) -> bool:
     return True
 
 
+def forget_collectives() -> None:
+    """Undoes `configure_collectives` before the runtime starts (a process
+    that turns out to run multi-client DTensor, which configures its own)."""
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    ctx._collective_leader = None
+    ctx._collective_scoped_allocator_enabled_ops = None
+    ctx._collective_use_nccl_communication = None
+    ctx._collective_device_filters = None
+    ctx._coordination_service_config = None
+
+
 def mirrored_strategy(devices, collective_key_base: int) -> tf.distribute.Strategy:
     """A MirroredStrategy whose collective keys start at `collective_key_base`.
 
