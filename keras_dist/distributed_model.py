@@ -180,7 +180,7 @@ class DistributedModel(keras.Model):
             return
         for layer in _keras_compat.iter_sublayers(self):
             if isinstance(layer, keras.layers.BatchNormalization):
-                layer.synchronized = True
+                _keras_compat.synchronize_batch_norm(layer)
 
     def _kd_adopt(self, obj):
         """Moves a Keras object made outside the strategy onto it, in place.
