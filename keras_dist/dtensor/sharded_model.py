@@ -192,8 +192,8 @@ class ShardedModel(keras.Model):
         # Symbolic calls only (the build, summary()); every step runs sharded.
         return self.mirror(inputs, training=training)
 
-    def fit(self, x=None, y=None, batch_size=None, epochs=1, *args, callbacks=None,
-            **kwargs):
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
+            callbacks=None, **kwargs):
         """`keras.Model.fit`; each step runs on the shards.
 
         Every batch must split over the mesh's `"batch"` axis: checked for
@@ -216,8 +216,7 @@ class ShardedModel(keras.Model):
                 "pipeline shuffled with the same seed on every process."
             )
         try:
-            return super().fit(x, y, batch_size, epochs, *args, callbacks=callbacks,
-                               **kwargs)
+            return super().fit(x, y, batch_size, epochs, verbose, callbacks, **kwargs)
         finally:
             self._refresh_mirror()
 
