@@ -309,6 +309,15 @@ def callbacks(mesh, directory):
                           callbacks=[keras.callbacks.BackupAndRestore(backup)])
     row["resumed_epochs"] = len(history.history["loss"])
     row["resumed_diff"] = max_diff(resumed.get_weights(), reference.get_weights())
+
+    # The same, resumed onto another mesh (model=4) in a third process.
+    backup = os.path.join(directory, "backup_other_mesh")
+    subprocess.run([sys.executable, __file__, "backup_killed", sys.argv[2], backup],
+                   capture_output=True, text=True, timeout=600)
+    other = subprocess.run([sys.executable, __file__, "backup_resumed", "model4", backup],
+                           capture_output=True, text=True, timeout=600)
+    lines = [line for line in other.stdout.splitlines() if line.startswith("{")]
+    row["other_mesh"] = json.loads(lines[-1]) if lines else other.stderr[-2000:]
     print(json.dumps(row), flush=True)
 
 
@@ -366,6 +375,20 @@ def multiclient(mesh, directory):
     print("done", rank, flush=True)
 
 
+def backup_resumed(mesh, backup):
+    """Resumes `backup_killed`'s backup with Keras' BackupAndRestore (one JSON line)."""
+    x, y = data("conv")
+    reference = build("conv", OPTIMIZERS["adam"]())
+    reference.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0)
+    resumed = kd.shard(build("conv", OPTIMIZERS["adam"]()), mesh,
+                       kd.LayoutMapper(mesh, min_elements=0))
+    history = resumed.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0,
+                          callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    print(json.dumps({"epochs": len(history.history["loss"]),
+                      "diff": max_diff(resumed.get_weights(), reference.get_weights()),
+                      "bytes": resumed.bytes_per_device()}), flush=True)
+
+
 def errors(mesh, directory):
     """Each bad argument's message, raised before any work (one JSON line)."""
     x, y = classification_data()
@@ -414,6 +437,8 @@ if __name__ == "__main__":
         callbacks(mesh, sys.argv[3])
     elif mode == "backup_killed":
         backup_killed(mesh, sys.argv[3])
+    elif mode == "backup_resumed":
+        backup_resumed(mesh, sys.argv[3])
     elif mode == "save":
         save(mesh, sys.argv[3])
     elif mode == "load":

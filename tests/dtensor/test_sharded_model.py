@@ -205,6 +205,12 @@ def test_a_sharded_model_is_a_keras_model_with_keras_callbacks(runs):
     assert row["killed_returncode"] == -9  # SIGKILL after epoch 2 of 4
     assert row["resumed_epochs"] == 2, row  # epochs 3 and 4 only
     assert row["resumed_diff"] < 1e-5, row  # = 4 uninterrupted epochs (Adam)
+    # Killed on batch=2 x model=2, resumed on model=4 (the backup holds the
+    # gathered weights and Adam state; the new mesh re-shards them).
+    other = row["other_mesh"]
+    assert isinstance(other, dict), other
+    assert other["epochs"] == 2 and other["diff"] < 1e-5, other
+    assert other["bytes"]["variables"] < other["bytes"]["replicated_variables"] / 2, other
 
 
 @pytest.mark.multi_worker
