@@ -37,7 +37,11 @@ def test_quick_run_produces_every_scenario(tmp_path):
                 assert math.isfinite(row[key]), (scenario["name"], row)
             assert row["min"] <= row["median"] <= row["max"]
         for ratio in scenario["ratios"]:
-            assert math.isfinite(ratio["value"]) and ratio["value"] > 0, ratio
+            assert math.isfinite(ratio["value"]), ratio
+            if not ratio["name"].startswith("stall per save"):
+                # A stall is a difference of wall times: a quick run's few
+                # saves can measure one below the noise (seen: negative).
+                assert ratio["value"] > 0, ratio
     markdown = (tmp_path / "results.md").read_text()
     for scenario in scenarios:
         assert f"### {scenario['id']}. {scenario['title']}" in markdown

@@ -16,9 +16,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras_dist.dtensor as kd  # noqa: E402
 
-# Under `keras-dist launch --num-workers 2` (multiclient): 2 logical CPUs per
-# process, one mesh over the 4.
-kd.initialize(2 if os.environ.get("TF_CONFIG") else 4)
+kd.initialize(4)
 
 import keras  # noqa: E402
 
@@ -54,9 +52,8 @@ def data(kind, dtype="float32"):
     return x.astype("int32"), rs.randn(16, 1).astype(dtype)
 
 
-def build(kind, optimizer, jit_compile=False, seeded=True):
-    if seeded:
-        keras.utils.set_random_seed(1)
+def build(kind, optimizer, jit_compile=False):
+    keras.utils.set_random_seed(1)
     if kind in ("mlp", "mlp_mixed"):
         model = keras.Sequential([
             keras.Input((8,)),
@@ -337,44 +334,6 @@ def backup_killed(mesh, backup):
                 callbacks=[keras.callbacks.BackupAndRestore(backup), Kill()])
 
 
-def multiclient(mesh, directory):
-    """One process of a 2-process mesh: unseeded (each process builds other
-    initial weights), trained, compared with one device started from the
-    weights the sharded model holds (process 0's)."""
-    from tensorflow.experimental import dtensor
-
-    rank = dtensor.client_id()
-    x, y = data("conv")
-    results = {"clients": np.array(dtensor.num_clients())}
-    for name in ("adam", "momentum"):
-        model = build("conv", OPTIMIZERS[name](), seeded=False)
-        results[f"{name}_local_initial"] = model.get_weights()[0]
-        sharded = kd.shard(model, mesh, kd.LayoutMapper(mesh, min_elements=0))
-        initial = sharded.get_weights()
-        results[f"{name}_initial"] = initial[0]
-        reference = build("conv", OPTIMIZERS[name](), seeded=False)
-        reference.set_weights(initial)
-        expected = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
-                                 validation_data=(x[:8], y[:8])).history
-        got = sharded.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
-                          validation_data=(x[:8], y[:8])).history
-        results[f"{name}_max_diff"] = np.array(
-            max_diff(sharded.get_weights(), reference.get_weights()))
-        results[f"{name}_logs_diff"] = np.array(max(
-            float(np.max(np.abs(np.array(got[k]) - np.array(expected[k])))) for k in expected))
-        for i, weight in enumerate(sharded.get_weights()):
-            results[f"{name}_w{i}"] = weight
-        results[f"{name}_bytes"] = np.array(
-            [sharded.bytes_per_device()[k] for k in ("variables", "replicated_variables")])
-    try:
-        sharded.fit(x, y, batch_size=8, epochs=1, verbose=0)  # shuffle=True
-        results["shuffle_error"] = np.array("")
-    except ValueError as error:
-        results["shuffle_error"] = np.array(str(error))
-    np.savez(os.path.join(directory, f"rank{rank}.npz"), **results)
-    print("done", rank, flush=True)
-
-
 def backup_resumed(mesh, backup):
     """Resumes `backup_killed`'s backup with Keras' BackupAndRestore (one JSON line)."""
     x, y = data("conv")
@@ -431,8 +390,6 @@ if __name__ == "__main__":
         golden(mesh, sys.argv[3].split(",") if len(sys.argv) > 3 else KINDS)
     elif mode == "layout_map":
         keras_layout_map(mesh)
-    elif mode == "multiclient":
-        multiclient(mesh, sys.argv[3])
     elif mode == "callbacks":
         callbacks(mesh, sys.argv[3])
     elif mode == "backup_killed":
