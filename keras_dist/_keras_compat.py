@@ -260,6 +260,19 @@ def _broadcast_shape(inputs, axes):
     return [1 if i in axes else shape[i] for i in range(rank)]
 
 
+def forget_collectives() -> None:
+    """Undoes `configure_collectives` before the runtime starts (a process
+    that turns out to run multi-client DTensor, which configures its own)."""
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    ctx._collective_leader = None
+    ctx._collective_scoped_allocator_enabled_ops = None
+    ctx._collective_use_nccl_communication = None
+    ctx._collective_device_filters = None
+    ctx._coordination_service_config = None
+
+
 def mirrored_strategy(devices, collective_key_base: int) -> tf.distribute.Strategy:
     """A MirroredStrategy whose collective keys start at `collective_key_base`.
 

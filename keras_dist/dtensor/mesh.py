@@ -56,6 +56,8 @@ def initialize(num_devices: int | None = None, device_type: str = "CPU") -> int:
         simulate_replicas(num_devices)
     from tensorflow.experimental import dtensor
 
+    _multi_client_from_tf_config()
+
     try:
         if device_type == "CPU":
             # DTensor's CPU collectives hold an inter-op thread per device
@@ -78,6 +80,38 @@ def initialize(num_devices: int | None = None, device_type: str = "CPU") -> int:
     return len(tf.config.list_logical_devices(device_type))
 
 
+def _multi_client_from_tf_config() -> None:
+    """Sets DTensor's multi-client variables from `TF_CONFIG` (one client per
+    training task, chief first: what `keras-dist launch` starts), unless
+    they are set already. A single process is left alone."""
+    from keras_dist import _cluster, _keras_compat, _startup
+
+    if "DTENSOR_JOBS" in os.environ:
+        return
+    cluster = _cluster.parse_tf_config()
+    if cluster is None or cluster.num_workers < 2 or cluster.rank < 0:
+        return
+    if _startup.configured:
+        # `import keras_dist` configured collectives for a multi-worker
+        # strategy; DTensor configures its own for the same tasks.
+        _keras_compat.forget_collectives()
+        _startup.configured = False
+    addresses = list(cluster.cluster.get("chief", [])) + list(cluster.cluster.get("worker", []))
+    os.environ.update({
+        "DTENSOR_JOBS": ",".join(addresses),
+        "DTENSOR_JOB_NAME": "worker",
+        "DTENSOR_NUM_CLIENTS": str(len(addresses)),
+        "DTENSOR_CLIENT_ID": str(cluster.rank),
+    })
+
+
+def num_clients() -> int:
+    """The processes one mesh spans (1 unless DTensor runs multi-client)."""
+    from tensorflow.experimental import dtensor
+
+    return dtensor.num_clients()
+
+
 def make_mesh(
     shape: Mapping[str, int], devices: Sequence[str] | None = None
 ) -> keras.distribution.DeviceMesh:
@@ -87,7 +121,10 @@ def make_mesh(
         shape: Ordered mapping of axis name to size. Their product must equal
             the number of devices.
         devices: Device names (default: every GPU, else every TPU, else
-            every logical CPU, in order).
+            every logical CPU, in order). Under multi-client DTensor (a
+            `keras-dist launch` job), the default is every device of every
+            process: `"cpu:0"` ... `"cpu:N-1"` numbered globally, process 0's
+            first.
 
     Returns:
         The `DeviceMesh` (Keras' type: the same map works on every backend).
@@ -142,8 +179,11 @@ def make_mesh(
 
 
 def _default_devices() -> list[str]:
+    from tensorflow.experimental import dtensor
+
     for kind in ("GPU", "TPU", "CPU"):
         found = tf.config.list_logical_devices(kind)
         if found:
-            return [f"{kind.lower()}:{i}" for i in range(len(found))]
+            count = len(found) * dtensor.num_clients()  # global numbering
+            return [f"{kind.lower()}:{i}" for i in range(count)]
     return []

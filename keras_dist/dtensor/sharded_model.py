@@ -206,6 +206,15 @@ class ShardedModel(keras.Model):
                 f"fit(): argument `epochs` must be a positive integer. Received: epochs={epochs!r}"
             )
         _check_callbacks(callbacks)
+        if dtensor.num_clients() > 1 and kwargs.get("shuffle", True) and _is_arrays(x):
+            raise ValueError(
+                "fit(): argument `shuffle` must be False for array input when a "
+                "mesh spans several processes: every process must feed the same "
+                "batches, and Keras shuffles each process's arrays its own way. "
+                "Received: shuffle=True (Keras' default). Pass shuffle=False "
+                "(shuffle the arrays beforehand with a seed), or a tf.data "
+                "pipeline shuffled with the same seed on every process."
+            )
         try:
             return super().fit(x, y, batch_size, epochs, verbose, callbacks, **kwargs)
         finally:
@@ -266,7 +275,7 @@ class ShardedModel(keras.Model):
                     f"argument `weights` gives {tuple(value.shape)}."
                 )
         for target, value in zip(targets, weights):
-            target.assign(self._put(np.asarray(value), self._kd.layouts[target.path]))
+            target.assign(self._from_chief(np.asarray(value), self._kd.layouts[target.path]))
         self._refresh_mirror()
 
     # -- variables ---------------------------------------------------------
@@ -301,6 +310,32 @@ class ShardedModel(keras.Model):
             value, dtensor.Layout.replicated(self._kd.dmesh, value.shape.rank)
         )
         return dtensor.relayout(replicated, layout)
+
+    def _from_chief(self, value, layout):
+        """`_put`, with process 0's value on every process (multi-client).
+
+        Under multi-client DTensor each process contributes its own local
+        copy to a replicated value; unseeded initial weights differ between
+        processes, so process 0's are summed with zeros from every other
+        device (one all-reduce).
+        """
+        if dtensor.num_clients() == 1:
+            return self._put(value, layout)
+        value = tf.convert_to_tensor(value)
+        dmesh = self._kd.dmesh
+        axes = list(dmesh.dim_names)
+        ones = [1] * len(axes)
+        components = [
+            tf.reshape(value if device == 0 else tf.zeros_like(value),
+                       ones + value.shape.as_list())
+            for device in dmesh.local_device_ids()
+        ]
+        stacked = dtensor.pack(
+            components,
+            dtensor.Layout(axes + [dtensor.UNSHARDED] * value.shape.rank, dmesh),
+        )
+        total = tf.reduce_sum(stacked, axis=list(range(len(axes))))
+        return dtensor.relayout(total, layout)
 
     def _get(self, value) -> np.ndarray:
         value = value.read_value() if hasattr(value, "read_value") else value
@@ -528,7 +563,9 @@ class ShardedModel(keras.Model):
             tuple(a.shape) == tuple(b.shape) for a, b in zip(slots, targets)
         ):
             for origin, target in zip(slots, targets):
-                target.assign(self._put(origin.numpy(), dtensor.fetch_layout(target.value)))
+                target.assign(
+                    self._from_chief(origin.numpy(), dtensor.fetch_layout(target.value))
+                )
 
 
 def _make_steps(model, layouts):
@@ -641,6 +678,19 @@ def _check_suffix(name: str, value, suffix: str) -> None:
 def _dtensor_mesh(mesh: keras.distribution.DeviceMesh):
     devices = [str(d).upper().replace("/DEVICE:", "") for d in np.ravel(mesh.devices)]
     kind = devices[0].split(":")[0]
+    if dtensor.num_clients() > 1:
+        # One mesh over every process's devices, numbered globally.
+        expected = [f"{kind}:{i}" for i in range(dtensor.num_global_devices(kind))]
+        if devices != expected:
+            raise ValueError(
+                "Under multi-client DTensor a mesh spans every device of every "
+                f"process, in order: {[d.lower() for d in expected]}. Received a "
+                f"mesh over {[d.lower() for d in devices]}. Use make_mesh(shape) "
+                "without `devices`."
+            )
+        return dtensor.create_distributed_mesh(
+            list(zip(mesh.axis_names, mesh.shape)), device_type=kind
+        )
     return dtensor.create_mesh(
         list(zip(mesh.axis_names, mesh.shape)),
         devices=[f"{kind}:{d.split(':')[-1]}" for d in devices],

@@ -16,7 +16,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras_dist.dtensor as kd  # noqa: E402
 
-kd.initialize(4)
+# Under `keras-dist launch --num-workers 2` (multiclient): 2 logical CPUs per
+# process, one mesh over the 4.
+kd.initialize(2 if os.environ.get("TF_CONFIG") else 4)
 
 import keras  # noqa: E402
 
@@ -52,8 +54,9 @@ def data(kind, dtype="float32"):
     return x.astype("int32"), rs.randn(16, 1).astype(dtype)
 
 
-def build(kind, optimizer, jit_compile=False):
-    keras.utils.set_random_seed(1)
+def build(kind, optimizer, jit_compile=False, seeded=True):
+    if seeded:
+        keras.utils.set_random_seed(1)
     if kind in ("mlp", "mlp_mixed"):
         model = keras.Sequential([
             keras.Input((8,)),
@@ -344,6 +347,63 @@ def resume_from(mesh, backup) -> dict:
             "bytes": resumed.bytes_per_device()}
 
 
+def multiclient(mesh, directory):
+    """One process of a 2-process mesh: unseeded (each process builds other
+    initial weights), trained, compared with one device started from the
+    weights the sharded model holds (process 0's).
+
+    Runs: momentum and Adam in float32, Adam in float64. Unseeded float32
+    Adam is only as close to one device as float32 noise allows: a gradient
+    entry near zero whose sign a different summation order flips moves the
+    update by up to the learning rate (12 unseeded single-process draws: the
+    sharded model 5.6e-7 to 6.6e-5 from one device, one device compiled by
+    XLA 1.2e-6 to 5.3e-5 from the same device uncompiled). float64 shows the
+    math; float32 Adam is recorded with that noise floor beside it.
+    """
+    from tensorflow.experimental import dtensor
+
+    rank = dtensor.client_id()
+    results = {"clients": np.array(dtensor.num_clients())}
+    for name, dtype in (("momentum", "float32"), ("adam", "float32"), ("adam64", "float64")):
+        keras.config.set_floatx(dtype)
+        keras.config.set_dtype_policy(dtype)
+        x, y = data("conv", dtype)
+        optimizer = OPTIMIZERS[name.replace("64", "")]
+        model = build("conv", optimizer(), seeded=False)
+        results[f"{name}_local_initial"] = model.get_weights()[0]
+        sharded = kd.shard(model, mesh, kd.LayoutMapper(mesh, min_elements=0))
+        initial = sharded.get_weights()
+        results[f"{name}_initial"] = initial[0]
+        reference = build("conv", optimizer(), seeded=False)
+        reference.set_weights(initial)
+        other = build("conv", optimizer(), seeded=False, jit_compile=True)
+        other.set_weights(initial)
+        expected = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                                 validation_data=(x[:8], y[:8])).history
+        other.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        got = sharded.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                          validation_data=(x[:8], y[:8])).history
+        results[f"{name}_max_diff"] = np.array(
+            max_diff(sharded.get_weights(), reference.get_weights()))
+        results[f"{name}_noise_floor"] = np.array(
+            max_diff(other.get_weights(), reference.get_weights()))
+        results[f"{name}_logs_diff"] = np.array(max(
+            float(np.max(np.abs(np.array(got[k]) - np.array(expected[k])))) for k in expected))
+        for i, weight in enumerate(sharded.get_weights()):
+            results[f"{name}_w{i}"] = weight
+        results[f"{name}_bytes"] = np.array(
+            [sharded.bytes_per_device()[k] for k in ("variables", "replicated_variables")])
+    keras.config.set_floatx("float32")
+    keras.config.set_dtype_policy("float32")
+    try:
+        sharded.fit(x, y, batch_size=8, epochs=1, verbose=0)  # shuffle=True
+        results["shuffle_error"] = np.array("")
+    except ValueError as error:
+        results["shuffle_error"] = np.array(str(error))
+    np.savez(os.path.join(directory, f"rank{rank}.npz"), **results)
+    print("done", rank, flush=True)
+
+
 def errors(mesh, directory):
     """Each bad argument's message, raised before any work (one JSON line)."""
     x, y = classification_data()
@@ -386,6 +446,8 @@ if __name__ == "__main__":
         golden(mesh, sys.argv[3].split(",") if len(sys.argv) > 3 else KINDS)
     elif mode == "layout_map":
         keras_layout_map(mesh)
+    elif mode == "multiclient":
+        multiclient(mesh, sys.argv[3])
     elif mode == "callbacks":
         callbacks(mesh, sys.argv[3])
     elif mode == "backup_killed":
