@@ -305,6 +305,16 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _groups(self) -> dict:
         model = self.model
+        sharded = getattr(model, "_kd_backup_variables", None)
+        if sharded is not None:
+            # A keras_dist.dtensor.ShardedModel: its state gathered from the
+            # mesh into host variables (restored by `_kd_restore_variables`).
+            groups = sharded()
+            return {
+                "model": groups["model"] + _keras_compat.global_seed_variables(),
+                "optimizer": groups["optimizer"],
+                "metrics": list(model.metrics_variables),
+            }
         optimizer = model.optimizer
         if optimizer is not None and not optimizer.built and model.built:
             optimizer.build(model.trainable_variables)
@@ -364,6 +374,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             model=groups["model"], optimizer=groups["optimizer"]
         )
         checkpoint.read(os.path.join(directory, "variables")).expect_partial()
+        if hasattr(self.model, "_kd_restore_variables"):
+            self.model._kd_restore_variables()  # onto the mesh's shards
         self._warn_changes(state.get("fit", {}))
         self._resume = state
         self._resume_dir = directory
@@ -749,13 +761,18 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._context is None and step == 0 and not position.get("persistent"):
             return  # an epoch boundary: a fresh pass is where it stood
         if self._context is None:
+            sharded = hasattr(self.model, "_kd_backup_variables")
             self._warn_once(
                 "plain",
-                "BackupAndRestore: with a plain keras.Model the input's order "
-                f"is not tracked; epoch {position['epoch'] + 1} resumes at step "
-                f"{step} by skipping that many batches of a fresh pass over the "
-                "input, which matches the interrupted run only for unshuffled "
-                "input. Use keras_dist.distribute(model) for an exact resume.",
+                "BackupAndRestore: with a "
+                + ("ShardedModel" if sharded else "plain keras.Model")
+                + " the input's order is not tracked; epoch "
+                f"{position['epoch'] + 1} resumes at step {step} by skipping "
+                "that many batches of a fresh pass over the input, which "
+                "matches the interrupted run only for unshuffled input"
+                + (" (shuffle=False, or a tf.data pipeline in a fixed order)."
+                   if sharded else
+                   ". Use keras_dist.distribute(model) for an exact resume."),
             )
             return
         if kind not in ("arrays", "dataset"):

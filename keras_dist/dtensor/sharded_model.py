@@ -64,6 +64,7 @@ class _Shards:
         self.mesh = mesh
         self.dmesh = dmesh
         self.layouts = layouts
+        self.host_optimizer = None  # host copies of the optimizer's variables (backups)
 
 
 class ShardedModel(keras.Model):
@@ -548,6 +549,45 @@ class ShardedModel(keras.Model):
         host.load_weights(filepath, *args, **kwargs)
         self._copy_from(host)
 
+    # -- backups (keras_dist.callbacks.BackupAndRestore) --------------------
+
+    def _kd_backup_variables(self) -> dict[str, list]:
+        """Host variables holding the live training state, refreshed now
+        from the shards: what keras_dist's `BackupAndRestore` writes and
+        restores. Whole arrays (not shards), so a backup resumes on any mesh.
+
+        `"model"`: the mirror's variables (weights and the seed generators'
+        states); `"optimizer"`: a host copy of each optimizer variable.
+        """
+        sharded, mirror = self._kd.model.variables, self.mirror.variables
+        slots = self.optimizer.variables
+        if self._kd.host_optimizer is None:
+            self._kd.host_optimizer = [
+                keras.Variable(np.zeros(v.shape, v.dtype), dtype=v.dtype, trainable=False,
+                               name=v.name)
+                for v in slots
+            ]
+        host = self._kd.host_optimizer
+        if len(sharded) != len(mirror) or len(host) != len(slots):
+            raise RuntimeError(
+                f"The sharded copy has {len(sharded)} variables and "
+                f"{len(slots)} optimizer variables; the host mirror "
+                f"{len(mirror)} and {len(host)}."
+            )
+        for target, source in [*zip(mirror, sharded), *zip(host, slots)]:
+            target.assign(self._get(source.value))
+        return {"model": list(mirror), "optimizer": list(host)}
+
+    def _kd_restore_variables(self) -> None:
+        """Scatters the host variables of `_kd_backup_variables` (just read
+        from a backup) onto the shards, in this mesh's layouts."""
+        pairs = [*zip(self._kd.model.variables, self.mirror.variables),
+                 *zip(self.optimizer.variables, self._kd.host_optimizer)]
+        for target, source in pairs:
+            target.assign(
+                self._from_chief(source.numpy(), dtensor.fetch_layout(target.value))
+            )
+
     def _copy_from(self, source: keras.Model) -> None:
         """Assigns `source`'s weights (and optimizer state, when built) to the shards."""
         copy = self._kd.model
@@ -628,8 +668,6 @@ def _check_callbacks(callbacks) -> None:
     from keras_dist.callbacks import BackupAndRestore, LearningRateScaler, PerReplicaMetrics
 
     fixes = {
-        BackupAndRestore: "Use keras.callbacks.BackupAndRestore (it resumes a "
-        "ShardedModel at epoch boundaries)",
         LearningRateScaler: "Scale the learning rate yourself (by the size of the "
         "mesh's 'batch' axis)",
         PerReplicaMetrics: "Remove it (a ShardedModel has no replicas to compare)",
@@ -644,6 +682,15 @@ def _check_callbacks(callbacks) -> None:
                     "the batch over the mesh's 'batch' axis). Received: "
                     f"callbacks=[..., {kind.__name__}(...), ...]. {fix}."
                 )
+        if isinstance(callback, BackupAndRestore) and dtensor.num_clients() > 1:
+            raise ValueError(
+                "Invalid callback in argument `callbacks`: BackupAndRestore "
+                "does not support a mesh that spans several processes yet "
+                f"(this one spans {dtensor.num_clients()}). Received: "
+                "callbacks=[..., BackupAndRestore(...), ...]. Use "
+                "keras.callbacks.BackupAndRestore (epoch boundaries) with a "
+                "backup directory of its own per process."
+            )
 
 
 def load_model(

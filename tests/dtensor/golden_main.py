@@ -312,37 +312,78 @@ def callbacks(mesh, directory):
                            capture_output=True, text=True, timeout=600)
     lines = [line for line in other.stdout.splitlines() if line.startswith("{")]
     row["other_mesh"] = json.loads(lines[-1]) if lines else other.stderr[-2000:]
+
+    # keras_dist's BackupAndRestore (a backup after every batch): killed in
+    # the middle of epoch 2, resumed here and onto model=4.
+    for key, resume_mesh in (("ours", None), ("ours_other_mesh", "model4")):
+        backup = os.path.join(directory, key)
+        killed = subprocess.run([sys.executable, __file__, "kd_backup_killed", sys.argv[2],
+                                 backup], capture_output=True, text=True, timeout=600)
+        if resume_mesh is None:
+            row[key] = resume_from(mesh, backup, ours=True)
+        else:
+            other = subprocess.run([sys.executable, __file__, "kd_backup_resumed",
+                                    resume_mesh, backup],
+                                   capture_output=True, text=True, timeout=600)
+            lines = [line for line in other.stdout.splitlines() if line.startswith("{")]
+            row[key] = json.loads(lines[-1]) if lines else other.stderr[-2000:]
+        if isinstance(row[key], dict):
+            row[key]["killed_returncode"] = killed.returncode
     print(json.dumps(row), flush=True)
 
 
-def backup_killed(mesh, backup):
-    """Trains with Keras' BackupAndRestore and is SIGKILLed after epoch 2."""
+def backup_killed(mesh, backup, ours=False):
+    """Trains with a BackupAndRestore and is SIGKILLed: Keras' after epoch 2
+    of 4 (batch size 8); keras_dist's (`ours`, a backup after every batch)
+    in the middle of epoch 2, after its batch 2 of 4 (batch size 4)."""
     import signal
 
+    from keras_dist.callbacks import BackupAndRestore
+
     class Kill(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.epoch = 0
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
         def on_epoch_end(self, epoch, logs=None):
-            if epoch == 1:
+            if epoch == 1 and not ours:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if ours and self.epoch == 1 and batch == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     x, y = data("conv")
     sharded = kd.shard(build("conv", OPTIMIZERS["adam"]()), mesh,
                        kd.LayoutMapper(mesh, min_elements=0))
-    sharded.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0,
-                callbacks=[keras.callbacks.BackupAndRestore(backup), Kill()])
+    backup = BackupAndRestore(backup, save_freq=1) if ours else (
+        keras.callbacks.BackupAndRestore(backup))
+    sharded.fit(x, y, batch_size=4 if ours else 8, epochs=4, shuffle=False, verbose=0,
+                callbacks=[backup, Kill()])
 
 
-def resume_from(mesh, backup) -> dict:
-    """Resumes `backup_killed`'s backup with Keras' BackupAndRestore on `mesh`:
-    the epochs trained, the distance to 4 uninterrupted epochs on one device,
-    the bytes per device."""
+def resume_from(mesh, backup, ours=False) -> dict:
+    """Resumes `backup_killed`'s backup on `mesh` with the same callback:
+    the epochs trained, the optimizer's steps, the distance to 4 uninterrupted epochs
+    on one device, the bytes per device."""
+    from keras_dist.callbacks import BackupAndRestore
+
     x, y = data("conv")
+    batch_size = 4 if ours else 8
     reference = build("conv", OPTIMIZERS["adam"]())
-    reference.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=batch_size, epochs=4, shuffle=False, verbose=0)
     resumed = kd.shard(build("conv", OPTIMIZERS["adam"]()), mesh,
                        kd.LayoutMapper(mesh, min_elements=0))
-    history = resumed.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0,
-                          callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    backup = BackupAndRestore(backup, save_freq=1) if ours else (
+        keras.callbacks.BackupAndRestore(backup))
+    history = resumed.fit(x, y, batch_size=batch_size, epochs=4, shuffle=False, verbose=0,
+                          callbacks=[backup])
+    # The optimizer's step count: restored, then one per batch trained.
     return {"epochs": len(history.history["loss"]),
+            "iterations": int(resumed.optimizer.iterations.numpy()),
             "diff": max_diff(resumed.get_weights(), reference.get_weights()),
             "bytes": resumed.bytes_per_device()}
 
@@ -454,6 +495,10 @@ if __name__ == "__main__":
         backup_killed(mesh, sys.argv[3])
     elif mode == "backup_resumed":
         print(json.dumps(resume_from(mesh, sys.argv[3])), flush=True)
+    elif mode == "kd_backup_killed":
+        backup_killed(mesh, sys.argv[3], ours=True)
+    elif mode == "kd_backup_resumed":
+        print(json.dumps(resume_from(mesh, sys.argv[3], ours=True)), flush=True)
     elif mode == "save":
         save(mesh, sys.argv[3])
     elif mode == "load":

@@ -211,6 +211,18 @@ def test_a_sharded_model_is_a_keras_model_with_keras_callbacks(runs):
     assert isinstance(other, dict), other
     assert other["epochs"] == 2 and other["diff"] < 1e-5, other
     assert other["bytes"]["variables"] < other["bytes"]["replicated_variables"] / 2, other
+    # keras_dist's BackupAndRestore, a backup after every batch: SIGKILLed
+    # in the middle of epoch 2 (after 8 + 2 of 32 batches), resumed there on
+    # the same mesh and on model=4: epochs 2-4 only, 32 optimizer steps in
+    # all, the weights of 4 uninterrupted epochs on one device (Adam).
+    for key in ("ours", "ours_other_mesh"):
+        resumed = row[key]
+        assert isinstance(resumed, dict), resumed
+        assert resumed["killed_returncode"] == -9, resumed
+        assert resumed["epochs"] == 3 and resumed["iterations"] == 32, resumed
+        assert resumed["diff"] < 1e-5, resumed
+    assert row["ours_other_mesh"]["bytes"]["variables"] < (
+        row["ours_other_mesh"]["bytes"]["replicated_variables"] / 2)
 
 
 @pytest.mark.multi_worker
