@@ -305,10 +305,10 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _groups(self) -> dict:
         model = self.model
-        sharded = getattr(model, "_kd_backup_variables", None)
+        sharded = getattr(model, "_backup_variables", None)
         if sharded is not None:
             # A keras_dist.dtensor.ShardedModel: its state gathered from the
-            # mesh into host variables (restored by `_kd_restore_variables`).
+            # mesh into host variables (restored by `_restore_backup_variables`).
             groups = sharded()
             return {
                 "model": groups["model"] + _keras_compat.global_seed_variables(),
@@ -374,8 +374,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             model=groups["model"], optimizer=groups["optimizer"]
         )
         checkpoint.read(os.path.join(directory, "variables")).expect_partial()
-        if hasattr(self.model, "_kd_restore_variables"):
-            self.model._kd_restore_variables()  # onto the mesh's shards
+        if hasattr(self.model, "_restore_backup_variables"):
+            self.model._restore_backup_variables()  # onto the mesh's shards
         self._warn_changes(state.get("fit", {}))
         self._resume = state
         self._resume_dir = directory
@@ -761,7 +761,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._context is None and step == 0 and not position.get("persistent"):
             return  # an epoch boundary: a fresh pass is where it stood
         if self._context is None:
-            sharded = hasattr(self.model, "_kd_backup_variables")
+            sharded = hasattr(self.model, "_backup_variables")
             self._warn_once(
                 "plain",
                 "BackupAndRestore: with a "

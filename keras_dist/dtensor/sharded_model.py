@@ -551,7 +551,7 @@ class ShardedModel(keras.Model):
 
     # -- backups (keras_dist.callbacks.BackupAndRestore) --------------------
 
-    def _kd_backup_variables(self) -> dict[str, list]:
+    def _backup_variables(self) -> dict[str, list]:
         """Host variables holding the live training state, refreshed now
         from the shards: what keras_dist's `BackupAndRestore` writes and
         restores. Whole arrays (not shards), so a backup resumes on any mesh.
@@ -578,8 +578,8 @@ class ShardedModel(keras.Model):
             target.assign(self._get(source.value))
         return {"model": list(mirror), "optimizer": list(host)}
 
-    def _kd_restore_variables(self) -> None:
-        """Scatters the host variables of `_kd_backup_variables` (just read
+    def _restore_backup_variables(self) -> None:
+        """Scatters the host variables of `_backup_variables` (just read
         from a backup) onto the shards, in this mesh's layouts."""
         pairs = [*zip(self._kd.model.variables, self.mirror.variables),
                  *zip(self.optimizer.variables, self._kd.host_optimizer)]
