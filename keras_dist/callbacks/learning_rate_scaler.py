@@ -374,8 +374,11 @@ class LearningRateScaler(keras.callbacks.Callback):
                 "LearningRateSchedule."
             )
         strategy = model.distribute_strategy
+        # A ShardedModel's data-parallel degree is its mesh's "batch" axis.
+        sharded = getattr(model, "_data_parallel_size", None)
+        replicas = sharded() if sharded is not None else strategy.num_replicas_in_sync
         if self.base_batch_size is None:
-            factor = float(strategy.num_replicas_in_sync)
+            factor = float(replicas)
         else:
             factor = self._global_batch() / self.base_batch_size
         steps = self.warmup_steps
@@ -438,7 +441,7 @@ class LearningRateScaler(keras.callbacks.Callback):
         _fit_session.invalidate_train_function(model)
         if self.verbose and worker_info(strategy).is_chief:
             print(
-                f"LearningRateScaler: {strategy.num_replicas_in_sync} replica(s), "
+                f"LearningRateScaler: {replicas} replica(s), "
                 f"factor {factor:g}, rule {self.rule!r}: learning rate x"
                 f"{ramp.final:g}"
                 + (f" after a {steps}-step linear warmup" if steps else "")

@@ -236,6 +236,9 @@ class ShardedModel(keras.Model):
 
     def make_train_function(self, force=False):
         if self.train_function is None or force:
+            # Traced again: what the steps captured (the optimizer's learning
+            # rate, which a LearningRateScaler replaces) may have changed.
+            self._kd_steps = None
             self.train_function = self._per_execution(self._train_batch)
         return self.train_function
 
@@ -374,6 +377,11 @@ class ShardedModel(keras.Model):
         }
 
     # -- steps -------------------------------------------------------------
+
+    def _data_parallel_size(self) -> int:
+        """How many ways each batch splits (the mesh's "batch" axis): the
+        factor keras_dist's `LearningRateScaler` scales by."""
+        return self._batch_split()
 
     def _batch_split(self) -> int:
         return dict(zip(self._kd.mesh.axis_names, self._kd.mesh.shape)).get(BATCH_AXIS, 1)
@@ -665,11 +673,9 @@ def _is_arrays(x) -> bool:
 
 def _check_callbacks(callbacks) -> None:
     """keras_dist's callbacks that work with a strategy's replicas: refused."""
-    from keras_dist.callbacks import BackupAndRestore, LearningRateScaler, PerReplicaMetrics
+    from keras_dist.callbacks import BackupAndRestore, PerReplicaMetrics
 
     fixes = {
-        LearningRateScaler: "Scale the learning rate yourself (by the size of the "
-        "mesh's 'batch' axis)",
         PerReplicaMetrics: "Remove it (a ShardedModel has no replicas to compare)",
     }
     for callback in callbacks or []:

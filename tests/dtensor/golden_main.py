@@ -295,6 +295,26 @@ def callbacks(mesh, directory):
         float(np.max(np.abs(np.array(got[k]) - np.array(expected[k])))) for k in expected)
     row["class_weight_diff"] = max_diff(sharded.get_weights(), reference.get_weights())
 
+    # keras_dist's LearningRateScaler: x2 (the "batch" axis) after a 3-step
+    # linear warmup, against one device with that schedule written out.
+    class Ramp(keras.optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):
+            return 0.01 * (1.0 + keras.ops.minimum(keras.ops.cast(step, "float32") / 3.0, 1.0))
+
+    reference = build("conv", keras.optimizers.SGD(Ramp(), momentum=0.9))
+    sharded = kd.shard(build("conv", keras.optimizers.SGD(0.01, momentum=0.9)), mesh,
+                       kd.LayoutMapper(mesh, min_elements=0))
+    scaler = keras_dist.callbacks.LearningRateScaler(warmup_steps=3)
+    scaled = sharded.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                         callbacks=[scaler]).history
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    row["scaler"] = {
+        "factor": scaler.factor,
+        "diff": max_diff(sharded.get_weights(), reference.get_weights()),
+        "learning_rates": [float(v) for v in scaled["learning_rate"]],
+        "after_fit": float(keras.ops.convert_to_numpy(sharded.optimizer.learning_rate)),
+    }
+
     # Keras' BackupAndRestore: killed (SIGKILL) after epoch 2 of 4 in another
     # process, resumed here; equals 4 uninterrupted epochs on one device.
     backup = os.path.join(directory, "backup")
@@ -466,7 +486,7 @@ def errors(mesh, directory):
         "validation_split_last_batch": lambda: sharded.fit(
             x[:60], y[:60], batch_size=16, validation_split=0.05),
         "callback_refused": lambda: sharded.fit(
-            x, y, batch_size=16, callbacks=[keras_dist.callbacks.LearningRateScaler()]),
+            x, y, batch_size=16, callbacks=[keras_dist.callbacks.PerReplicaMetrics()]),
     }
     messages = {}
     for name, call in calls.items():

@@ -150,7 +150,7 @@ def test_bad_arguments_are_named_before_any_step(runs):
         # (floor): 57 train, and batch 16 leaves a last batch of 9.
         "validation_split_last_batch": "the last batch of 9 samples (57 training samples",
         "callback_refused": "ValueError: Invalid callback in argument `callbacks`: "
-        "LearningRateScaler does not support a ShardedModel yet",
+        "PerReplicaMetrics does not support a ShardedModel yet",
     }
     for name, text in expected.items():
         assert messages[name] is not None and text in messages[name], (name, messages[name])
@@ -211,6 +211,14 @@ def test_a_sharded_model_is_a_keras_model_with_keras_callbacks(runs):
     assert isinstance(other, dict), other
     assert other["epochs"] == 2 and other["diff"] < 1e-5, other
     assert other["bytes"]["variables"] < other["bytes"]["replicated_variables"] / 2, other
+    # keras_dist's LearningRateScaler scales by the mesh's "batch" axis (2):
+    # 0.01 -> 0.02 over a 3-step warmup, = one device with that schedule,
+    # and the unscaled rate back after fit.
+    scaler = row["scaler"]
+    assert scaler["factor"] == 2.0, scaler
+    assert scaler["diff"] < 1e-5, scaler
+    np.testing.assert_allclose(scaler["learning_rates"], [0.02, 0.02], rtol=1e-6)
+    assert abs(scaler["after_fit"] - 0.01) < 1e-9, scaler
     # keras_dist's BackupAndRestore, a backup after every batch: SIGKILLed
     # in the middle of epoch 2 (after 8 + 2 of 32 batches), resumed there on
     # the same mesh and on model=4: epochs 2-4 only, 32 optimizer steps in
