@@ -112,6 +112,13 @@ def symbolic_build(model, iterator=None, data_batch=None) -> None:
     """
     strategy = model._distribute_strategy
     if strategy is None:
+        # Keras defers the build to the first step here; a backup restored
+        # in `on_train_begin` needs the variables before it. The input's
+        # spec stands in for a batch (no iterator is made).
+        if data_batch is None and iterator is not None:
+            data_batch = _input_spec(getattr(iterator, "data_adapter", None))
+        if data_batch is not None:
+            model._symbolic_build(data_batch=data_batch)
         return
     if iterator is not None:
         data_batch = _replica_spec(iterator)
@@ -121,6 +128,22 @@ def symbolic_build(model, iterator=None, data_batch=None) -> None:
                 break
     with strategy.scope():
         model._symbolic_build(data_batch=data_batch)
+
+
+def _input_spec(adapter):
+    """The spec of a batch of arrays or of a `tf.data` pipeline, read without
+    making a dataset or an iterator (either could change what a seeded
+    program draws); None for other input (built at the first step)."""
+    if isinstance(adapter, keras_tf_dataset_adapter.TFDatasetAdapter):
+        return adapter._dataset.element_spec
+    if isinstance(adapter, keras_array_adapter.ArrayDataAdapter):
+        return tf.nest.map_structure(
+            lambda a: None if a is None else tf.TensorSpec(
+                (None,) + tuple(a.shape[1:]), tf.as_dtype(a.dtype)
+            ),
+            adapter._inputs,
+        )
+    return None
 
 
 def reduce_per_replica(values, strategy, reduction: str):
@@ -879,7 +902,13 @@ INTERNALS = {
         "_reduction_axes",
     ),
     "keras.src.trainers.data_adapters.array_data_adapter": ("ArrayDataAdapter",),
+    "keras.src.trainers.data_adapters.array_data_adapter.ArrayDataAdapter (source)": (
+        "_inputs",
+    ),
     "keras.src.trainers.data_adapters.tf_dataset_adapter": ("TFDatasetAdapter",),
+    "keras.src.trainers.data_adapters.tf_dataset_adapter.TFDatasetAdapter (source)": (
+        "_dataset",
+    ),
     "tensorflow.python.data.ops.dataset_ops.DatasetV2": ("_inputs",),
     "tensorflow.python.distribute.multi_worker_util": (
         "collective_leader",

@@ -366,6 +366,15 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
 
     def _restore(self, state: dict, sequence: int) -> None:
+        if not self.model.built:
+            raise ValueError(
+                "BackupAndRestore: the model has no variables to restore the "
+                f"backup in {self.backup_dir!r} into: Keras builds this model "
+                "at its first training step, after the backup must be "
+                "restored. Build it before fit (call it on one batch of "
+                "inputs, or model.build(input_shape)), or wrap it with "
+                "keras_dist.distribute(model), which builds it first."
+            )
         groups = self._groups()
         saved = state["variables"]
         self._check_compatible(saved, groups)

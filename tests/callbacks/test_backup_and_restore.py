@@ -34,9 +34,9 @@ class Net(keras_dist.DistributedModel):
         return self.out(self.drop(self.hidden(inputs), training=training))
 
 
-def make(spe=1, width=8):
+def make(spe=1, width=8, strategy="auto"):
     keras.utils.set_random_seed(1)
-    model = Net(width=width)
+    model = Net(width=width, strategy=strategy)
     model.compile(keras.optimizers.Adam(0.02), "mse", metrics=["mae"],
                   steps_per_execution=spe)
     return model
@@ -94,6 +94,53 @@ def test_two_crashes_resume_to_the_uninterrupted_weights(tmp_path, source, spe, 
         history.history["loss"], ref_history.history["loss"][-done:], rtol=1e-6
     )
     assert not os.path.exists(backup_dir)
+
+
+def test_an_unbuilt_subclassed_model_on_one_device_resumes(tmp_path):
+    """On the default strategy Keras builds a model at its first step, after
+    `on_train_begin` restores the backup: the variables must exist first."""
+    def one_device():
+        model = make(strategy="default")
+        assert not model.built  # a fresh subclassed model, as after a restart
+        return model
+
+    expected = one_device()
+    expected.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0)
+    backup_dir = str(tmp_path / "b")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        one_device().fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0, callbacks=[
+            BackupAndRestore(backup_dir, save_freq=3), Crash(13)])
+    model = one_device()
+    history = model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+                        callbacks=[BackupAndRestore(backup_dir, save_freq=3)])
+    assert len(history.history["loss"]) == 2  # resumed in epoch 2
+    assert int(model.optimizer.iterations.numpy()) == 24
+    assert max_abs_diff(expected.get_weights(), model.get_weights()) < 1e-6
+
+
+def test_an_unbuilt_plain_model_gets_a_clear_error_and_keeps_its_backup(tmp_path):
+    class Plain(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, inputs):
+            return self.dense(inputs)
+
+    def model():
+        plain = Plain()
+        plain.compile(keras.optimizers.SGD(0.05), "mse")
+        return plain
+
+    backup_dir = str(tmp_path / "b")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        model().fit(X, Y, batch_size=8, epochs=2, verbose=0, shuffle=False,
+                    callbacks=[BackupAndRestore(backup_dir, save_freq=1), Crash(3)])
+    saved = committed(backup_dir)
+    with pytest.raises(ValueError, match="the model has no variables to restore the backup"):
+        model().fit(X, Y, batch_size=8, epochs=2, verbose=0, shuffle=False,
+                    callbacks=[BackupAndRestore(backup_dir, save_freq=1)])
+    assert committed(backup_dir) == saved  # nothing lost
 
 
 def test_numpy_shuffle_differs_between_epochs():

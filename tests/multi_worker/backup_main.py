@@ -23,8 +23,9 @@ import numpy as np  # noqa: E402
 
 import keras_dist  # noqa: E402
 
+_replicas = dict(a.split("=", 1) for a in sys.argv[3:]).get("replicas", "2")
 if "TF_CONFIG" not in os.environ:
-    keras_dist.simulate_replicas(2)
+    keras_dist.simulate_replicas(int(_replicas))
 strategy = keras_dist.resolve_strategy("auto")
 
 import keras  # noqa: E402
@@ -65,6 +66,7 @@ if "killsave" in opts:
 rank = worker_info(strategy).rank
 os.makedirs(out_dir, exist_ok=True)
 N = 48
+BATCH = int(opts.get("batch", 8))  # the global batch
 
 
 class Net(keras_dist.DistributedModel):
@@ -132,9 +134,9 @@ backup = BackupAndRestore(
 fit_args = dict(epochs=int(opts.get("epochs", 3)), verbose=0,
                 callbacks=[Tally(), backup])
 if opts.get("input", "numpy") == "numpy":
-    model.fit(x, y, batch_size=8, shuffle=True, **fit_args)
+    model.fit(x, y, batch_size=BATCH, shuffle=True, **fit_args)
 else:
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(N, seed=5).batch(8)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(N, seed=5).batch(BATCH)
     model.fit(ds, **fit_args)
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"), *model.get_weights())
 print("done", flush=True)
