@@ -130,6 +130,22 @@ def symbolic_build(model, iterator=None, data_batch=None) -> None:
         model._symbolic_build(data_batch=data_batch)
 
 
+def clone_layer(layer):
+    """A new layer like `layer` (as `keras.models.clone_model` makes one),
+    except that a `Lambda` keeps its Python function object: its config
+    round trip is refused in safe mode, and would lose closures anyway."""
+    if isinstance(layer, keras.layers.Lambda):
+        return keras.layers.Lambda(
+            layer.function,
+            output_shape=layer._output_shape,
+            mask=layer.mask,
+            arguments=layer.arguments,
+            name=layer.name,
+            dtype=layer.dtype_policy,
+        )
+    return layer.__class__.from_config(layer.get_config())
+
+
 def _input_spec(adapter):
     """The spec of a batch of arrays or of a `tf.data` pipeline, read without
     making a dataset or an iterator (either could change what a seeded
@@ -335,11 +351,6 @@ def call_has_training_arg(model) -> bool:
 def compute_loss(model, **kwargs):
     """`Model._compute_loss`: the loss Keras' own train step computes."""
     return model._compute_loss(**kwargs)
-
-
-def loss_tracker(model):
-    """The metric behind the `loss` log."""
-    return model._loss_tracker
 
 
 def unscale_loss_for_distribution(loss):
@@ -901,6 +912,7 @@ INTERNALS = {
         "_moments",
         "_reduction_axes",
     ),
+    "keras.src.layers.core.lambda_layer.Lambda (source)": ("_output_shape",),
     "keras.src.trainers.data_adapters.array_data_adapter": ("ArrayDataAdapter",),
     "keras.src.trainers.data_adapters.array_data_adapter.ArrayDataAdapter (source)": (
         "_inputs",

@@ -100,6 +100,16 @@ class ShardedModel(keras.Model):
                 f"shard() needs a compiled model; compile {model.name!r} first "
                 "(its optimizer, loss and metrics are copied)."
             )
+        for layer in _keras_compat.iter_sublayers(model):
+            if isinstance(layer, keras.layers.RNN) and not layer.unroll:
+                raise ValueError(
+                    f"shard() cannot run layer {layer.name!r} "
+                    f"({type(layer).__name__}, unroll=False): DTensor has no "
+                    "layout propagation for the loop a recurrent layer runs "
+                    "(its TensorList ops). Build it with unroll=True (the steps "
+                    "become plain ops; measured equal to one device), or keep "
+                    "the model on keras_dist.distribute(model)."
+                )
         if layout_map is None:
             layout_map = LayoutMapper(mesh)
         if isinstance(layout_map, LayoutMapper):
@@ -141,7 +151,7 @@ class ShardedModel(keras.Model):
         self._kd = _Shards(None, mesh, dmesh, by_source_path)
         self._slot_prefixes = []
         with tf.variable_creator_scope(self._creator):
-            copy = keras.models.clone_model(model)
+            copy = _clone(model)
         # The copy's paths can differ from the source's (a Sequential loaded
         # from a .keras file has no model name in its paths): key by the copy.
         layouts = {
@@ -169,7 +179,7 @@ class ShardedModel(keras.Model):
         # and the symbolic build; its weights refreshed from the shards), the
         # sharded copy's optimizer, the source's loss and metrics (computed
         # on the host from the gathered predictions).
-        self.mirror = keras.models.clone_model(model)
+        self.mirror = _clone(model)
         arguments = keras.saving.deserialize_keras_object(compile_config)
         arguments["optimizer"] = copy.optimizer
         self.compile(**arguments)
@@ -431,8 +441,14 @@ class ShardedModel(keras.Model):
         train, _ = self._steps()
         put = lambda s: None if s is None else tf.nest.map_structure(self._put_batch, s)  # noqa: E731
         loss, y_pred = train(put(x), put(y), put(sample_weight))
-        return self._host_logs(x, y, self._gather(y_pred), sample_weight,
-                               tf.constant(self._get(loss)))
+        y_pred = self._gather(y_pred)
+        if len(tf.nest.flatten(y_pred)) > 1:
+            # A multi-output model logs each output's loss: Keras updates
+            # those trackers in compute_loss, here from the gathered
+            # predictions (the step's loss is the sharded one).
+            self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                              training=True)
+        return self._host_logs(x, y, y_pred, sample_weight, tf.constant(self._get(loss)))
 
     def _forward(self, x):
         """Predictions for one batch, gathered; a short batch is padded to
@@ -522,7 +538,7 @@ class ShardedModel(keras.Model):
         What `save` and `save_weights` write; hand it to code that expects an
         unsharded model (export, serving).
         """
-        host = keras.models.clone_model(self.mirror)
+        host = _clone(self.mirror)
         host.compile(**keras.saving.deserialize_keras_object(self._compile_arguments))
         host.optimizer.build(host.trainable_variables)
         for target, value in zip(host.weights, self.get_weights()):
@@ -614,6 +630,11 @@ class ShardedModel(keras.Model):
                 target.assign(
                     self._from_chief(origin.numpy(), dtensor.fetch_layout(target.value))
                 )
+
+
+def _clone(model: keras.Model) -> keras.Model:
+    """`keras.models.clone_model`, keeping each `Lambda`'s own function."""
+    return keras.models.clone_model(model, clone_function=_keras_compat.clone_layer)
 
 
 def _make_steps(model, layouts):

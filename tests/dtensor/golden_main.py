@@ -465,6 +465,97 @@ def multiclient(mesh, directory):
     print("done", rank, flush=True)
 
 
+class Scale(keras.layers.Layer):
+    """A user's layer: one weight per feature, no get_config override."""
+
+    def build(self, shape):
+        self.scale = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, inputs):
+        return inputs * self.scale
+
+
+def recurrent(unroll=True):
+    model = keras.Sequential([keras.Input((5, 4)), keras.layers.LSTM(8, unroll=unroll),
+                              keras.layers.Dense(16), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    return model
+
+
+def two_heads():
+    a = keras.Input((6,), name="a")
+    b = keras.Input((4,), name="b")
+    hidden = keras.layers.Dense(32, activation="relu")(keras.layers.Concatenate()([a, b]))
+    hidden = keras.layers.Dense(16)(hidden)
+    model = keras.Model({"a": a, "b": b}, {
+        "reg": keras.layers.Dense(1, name="reg")(hidden),
+        "cls": keras.layers.Dense(3, activation="softmax", name="cls")(hidden),
+    })
+    model.compile(keras.optimizers.Adam(0.01),
+                  loss={"reg": "mse", "cls": "sparse_categorical_crossentropy"},
+                  metrics={"cls": ["accuracy"]})
+    return model
+
+
+def custom_layer_and_lambda():
+    offset = 0.5  # a closure: the Lambda must keep its own function
+    model = keras.Sequential([
+        keras.Input((6,)), keras.layers.Dense(32), Scale(),
+        keras.layers.Lambda(lambda t: keras.ops.relu(t - offset)),
+        keras.layers.Dense(16), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", metrics=["mae"])
+    return model
+
+
+def batch_norm():
+    model = keras.Sequential([
+        keras.Input((6,)), keras.layers.Dense(32), keras.layers.BatchNormalization(),
+        keras.layers.Dense(16), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.005), "mse")
+    return model
+
+
+def user_models():
+    """Models written the ordinary ways: (name, builder, data)."""
+    rs = np.random.RandomState(0)
+    yield "dict_two_outputs", two_heads, (
+        {"a": rs.randn(32, 6).astype("float32"), "b": rs.randn(32, 4).astype("float32")},
+        {"reg": rs.randn(32, 1).astype("float32"), "cls": rs.randint(0, 3, (32,))})
+    yield "custom_layer_and_lambda", custom_layer_and_lambda, (
+        rs.randn(32, 6).astype("float32"), rs.randn(32, 1).astype("float32"))
+    yield "batch_norm", batch_norm, (rs.randn(32, 6).astype("float32") * 3 + 1,
+                                     rs.randn(32, 1).astype("float32"))
+    yield "lstm_unrolled", recurrent, (rs.randn(32, 5, 4).astype("float32"),
+                                       rs.randn(32, 1).astype("float32"))
+
+
+def user_code(mesh):
+    """Each of `user_models` sharded and on one device, built alike (one JSON
+    line each): weights, every epoch's logs, evaluate and predict."""
+    for name, builder, (x, y) in user_models():
+        keras.utils.set_random_seed(2)
+        reference = builder()
+        keras.utils.set_random_seed(2)
+        model = builder()
+        sharded = kd.shard(model, mesh, kd.LayoutMapper(mesh, min_elements=0))
+        arguments = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+        expected = reference.fit(x, y, **arguments).history
+        got = sharded.fit(x, y, **arguments).history
+        evaluated = [m.evaluate(x, y, verbose=0, return_dict=True) for m in (reference, sharded)]
+        predicted = [keras.tree.flatten(m.predict(x, verbose=0)) for m in (reference, sharded)]
+        print(json.dumps({
+            "model": name,
+            "sharded": sorted(kd.LayoutMapper(mesh, min_elements=0).layouts(model)),
+            "max_diff": max_diff(sharded.get_weights(), reference.get_weights()),
+            "log_keys": [sorted(expected), sorted(got)],
+            "logs_diff": max(float(np.max(np.abs(np.array(got[k]) - np.array(expected[k]))))
+                             for k in expected if k in got),
+            "evaluate_keys": [sorted(e) for e in evaluated],
+            "evaluate_diff": max(abs(evaluated[0][k] - evaluated[1][k]) for k in evaluated[0]),
+            "predict_diff": max_diff(*predicted),
+        }), flush=True)
+
+
 def errors(mesh, directory):
     """Each bad argument's message, raised before any work (one JSON line)."""
     x, y = classification_data()
@@ -487,6 +578,7 @@ def errors(mesh, directory):
             x[:60], y[:60], batch_size=16, validation_split=0.05),
         "callback_refused": lambda: sharded.fit(
             x, y, batch_size=16, callbacks=[keras_dist.callbacks.PerReplicaMetrics()]),
+        "recurrent_loop": lambda: kd.shard(recurrent(unroll=False), mesh),
     }
     messages = {}
     for name, call in calls.items():
@@ -507,6 +599,8 @@ if __name__ == "__main__":
         golden(mesh, sys.argv[3].split(",") if len(sys.argv) > 3 else KINDS)
     elif mode == "layout_map":
         keras_layout_map(mesh)
+    elif mode == "user_code":
+        user_code(mesh)
     elif mode == "multiclient":
         multiclient(mesh, sys.argv[3])
     elif mode == "callbacks":

@@ -35,6 +35,7 @@ def runs(tmp_path_factory):
                              [sys.executable, SCRIPT, "load", "model4", saved]]
     commands["errors"] = [sys.executable, SCRIPT, "errors", "batch2_model2", errors]
     commands["layout_map"] = [sys.executable, SCRIPT, "layout_map", "batch2_model2"]
+    commands["user_code"] = [sys.executable, SCRIPT, "user_code", "batch2_model2"]
     callbacks = str(tmp_path_factory.mktemp("callbacks"))
     commands["callbacks"] = [sys.executable, SCRIPT, "callbacks", "batch2_model2", callbacks]
     done = run_concurrently(commands)
@@ -151,6 +152,7 @@ def test_bad_arguments_are_named_before_any_step(runs):
         "validation_split_last_batch": "the last batch of 9 samples (57 training samples",
         "callback_refused": "ValueError: Invalid callback in argument `callbacks`: "
         "PerReplicaMetrics does not support a ShardedModel yet",
+        "recurrent_loop": "ValueError: shard() cannot run layer 'lstm",
     }
     for name, text in expected.items():
         assert messages[name] is not None and text in messages[name], (name, messages[name])
@@ -273,3 +275,21 @@ def test_one_mesh_spans_the_processes_of_a_launched_job(tmp_path, capfd):
     for r in ranks:
         assert "argument `shuffle` must be False for array input when a mesh spans " \
                "several processes" in str(r["shuffle_error"])
+
+
+def test_models_written_the_ordinary_ways_shard_and_match_one_device(runs):
+    # Dict inputs and two outputs (each output's loss logged), a user's layer
+    # next to a Lambda with a closure, BatchNormalization over the split
+    # batch, an unrolled LSTM: built alike on one device, sharded on
+    # batch=2 x model=2.
+    rows = rows_of(runs[0]["user_code"])
+    assert [r["model"] for r in rows] == [
+        "dict_two_outputs", "custom_layer_and_lambda", "batch_norm", "lstm_unrolled"]
+    for row in rows:
+        assert row["sharded"], row  # a Dense pair in each
+        assert row["max_diff"] < 1e-5, row
+        assert row["log_keys"][0] == row["log_keys"][1], row
+        assert row["evaluate_keys"][0] == row["evaluate_keys"][1], row
+        assert row["logs_diff"] < 1e-5 and row["evaluate_diff"] < 1e-5, row
+        assert row["predict_diff"] < 1e-5, row
+    assert rows[0]["log_keys"][1] == ["cls_accuracy", "cls_loss", "loss", "reg_loss"]

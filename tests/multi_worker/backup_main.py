@@ -75,7 +75,7 @@ class Net(keras_dist.DistributedModel):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.hidden = keras.layers.Dense(8, activation="relu")
-        self.drop = keras.layers.Dropout(0.2)
+        self.drop = keras.layers.Dropout(float(opts.get("dropout", 0.2)))
         self.out = keras.layers.Dense(1)
 
     def call(self, inputs, training=None):
