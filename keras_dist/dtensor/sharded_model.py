@@ -509,7 +509,8 @@ class ShardedModel(keras.Model):
                 f"{method}(): argument `batch_size` must be a positive integer. "
                 f"Received: batch_size={batch_size!r}"
             )
-        if batch_size % split:
+        if method == "fit" and batch_size % split:
+            # evaluate and predict pad a batch that does not split.
             raise ValueError(
                 f"{method}(): argument `batch_size` must be divisible by the "
                 f"mesh axis {BATCH_AXIS!r} of size {split}. Received: "

@@ -456,6 +456,27 @@ def multiclient(mesh, directory):
             [sharded.bytes_per_device()[k] for k in ("variables", "replicated_variables")])
     keras.config.set_floatx("float32")
     keras.config.set_dtype_policy("float32")
+    # A tf.data pipeline shuffled with the same seed on each process, then
+    # evaluate and predict (any batch size): against one device.
+    x, y = data("conv")
+
+    def pipeline():  # one per model: each pipeline's reshuffles follow its own seed state
+        return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(16, seed=4).batch(
+            4, drop_remainder=True)
+
+    model = build("conv", OPTIMIZERS["momentum"](), seeded=False)
+    sharded = kd.shard(model, mesh, kd.LayoutMapper(mesh, min_elements=0))
+    reference = build("conv", OPTIMIZERS["momentum"](), seeded=False)
+    reference.set_weights(sharded.get_weights())
+    for m in (reference, sharded):
+        m.fit(pipeline(), epochs=2, verbose=0)
+    results["dataset_max_diff"] = np.array(max_diff(sharded.get_weights(),
+                                                    reference.get_weights()))
+    evaluated = [m.evaluate(x[:13], y[:13], batch_size=5, verbose=0) for m in (reference, sharded)]
+    results["evaluate_diff"] = np.array(abs(evaluated[0] - evaluated[1]))
+    predicted = [m.predict(x[:13], batch_size=5, verbose=0) for m in (reference, sharded)]
+    results["predict_diff"] = np.array(float(np.abs(predicted[0] - predicted[1]).max()))
+    results["predictions"] = predicted[1]
     try:
         sharded.fit(x, y, batch_size=8, epochs=1, verbose=0)  # shuffle=True
         results["shuffle_error"] = np.array("")
@@ -541,8 +562,11 @@ def user_code(mesh):
         arguments = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
         expected = reference.fit(x, y, **arguments).history
         got = sharded.fit(x, y, **arguments).history
-        evaluated = [m.evaluate(x, y, verbose=0, return_dict=True) for m in (reference, sharded)]
-        predicted = [keras.tree.flatten(m.predict(x, verbose=0)) for m in (reference, sharded)]
+        # batch_size 5 does not split over "batch": each batch is padded.
+        evaluated = [m.evaluate(x, y, batch_size=5, verbose=0, return_dict=True)
+                     for m in (reference, sharded)]
+        predicted = [keras.tree.flatten(m.predict(x, batch_size=5, verbose=0))
+                     for m in (reference, sharded)]
         print(json.dumps({
             "model": name,
             "sharded": sorted(kd.LayoutMapper(mesh, min_elements=0).layouts(model)),

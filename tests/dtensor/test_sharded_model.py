@@ -272,6 +272,12 @@ def test_one_mesh_spans_the_processes_of_a_launched_job(tmp_path, capfd):
         assert len(weights) == 8, weights
         for key in weights:
             np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
+    # A tf.data pipeline shuffled with one seed on both processes, then
+    # evaluate and predict with a short last batch.
+    for r in ranks:
+        assert float(r["dataset_max_diff"]) < 1e-5
+        assert float(r["evaluate_diff"]) < 1e-5 and float(r["predict_diff"]) < 1e-5
+    np.testing.assert_array_equal(ranks[0]["predictions"], ranks[1]["predictions"])
     for r in ranks:
         assert "argument `shuffle` must be False for array input when a mesh spans " \
                "several processes" in str(r["shuffle_error"])
