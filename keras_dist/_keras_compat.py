@@ -49,8 +49,10 @@ import warnings
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend.tensorflow import random as keras_tf_random
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.losses import loss as keras_loss
+from keras.src.random import seed_generator as keras_random
 from keras.src.trainers.data_adapters import array_data_adapter as keras_array_adapter
 from keras.src.trainers.data_adapters import tf_dataset_adapter as keras_tf_dataset_adapter
 from keras.src.models.functional import Functional  # noqa: F401 (re-exported)
@@ -290,6 +292,70 @@ def synchronize_batch_norm(layer) -> None:
 
     layer._moments = moments
     layer._kd_stable_moments = True
+
+
+def replica_invariant_dropout(layer) -> None:
+    """Makes a `Dropout` layer (or a subclass: spatial dropout) draw, on each
+    of N replicas, its slice of the mask one device draws for the global
+    batch, so that N replicas train as one device does, Dropout included.
+
+    Keras' dropout is TensorFlow's stateless dropout, seeded from the
+    layer's `SeedGenerator` (the same state on every replica). Its mask is
+    Philox noise over the noise shape; replica r's rows of the global mask
+    start `r * rows * inner` elements in, and Philox makes block k of any
+    draw directly: each replica draws only its own rows (no N-times larger
+    tensor). Rows follow the replica order in which a global batch is split.
+    """
+    if getattr(layer, "_kd_invariant_dropout", False):
+        return
+    keras_call = layer.call
+
+    def call(inputs, training=False):
+        context = tf.distribute.get_replica_context()
+        if (
+            not training
+            or not layer.rate > 0
+            or context is None
+            or context.num_replicas_in_sync < 2
+        ):
+            return keras_call(inputs, training=training)
+        noise_shape = (
+            layer._get_noise_shape(inputs) if hasattr(layer, "_get_noise_shape")
+            else layer.noise_shape
+        )
+        if noise_shape is not None and noise_shape[0] is not None:
+            return keras_call(inputs, training=training)  # one mask for every row
+        return _dropout_rows(inputs, layer.rate, noise_shape,
+                             keras_random.draw_seed(layer.seed_generator), context)
+
+    layer.call = call
+    layer._kd_invariant_dropout = True
+
+
+def _dropout_rows(inputs, rate, noise_shape, seed, context):
+    """`tf.nn.experimental.stateless_dropout` of the global batch, this
+    replica's rows only (see `replica_invariant_dropout`)."""
+    x = tf.convert_to_tensor(inputs)
+    seed = keras_tf_random._cast_seed(seed)
+    shape = tf.shape(x)
+    noise = [shape[i] if noise_shape is None or noise_shape[i] is None else noise_shape[i]
+             for i in range(x.shape.rank)]
+    rows = tf.cast(noise[0], tf.int64)
+    inner = tf.reduce_prod(tf.cast(tf.stack(noise[1:]), tf.int64)) if len(noise) > 1 else (
+        tf.constant(1, tf.int64))
+    start = tf.cast(context.replica_id_in_sync_group, tf.int64) * rows * inner
+    per_block = 2 if x.dtype.size > 4 else 4  # Philox: 4 x 32 bits per counter step
+    block, lane = start // per_block, start % per_block
+    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+    counter = tf.bitcast(tf.bitcast(counter, tf.int64) + tf.stack(
+        [block, tf.constant(0, tf.int64)]), tf.uint64)
+    uniform = tf.raw_ops.StatelessRandomUniformV2(
+        shape=tf.reshape(rows * inner + lane, [1]), key=key, counter=counter,
+        alg=tf.raw_ops.StatelessRandomGetAlg(), dtype=x.dtype,
+    )[lane:]
+    uniform = tf.reshape(uniform, tf.stack([tf.cast(n, tf.int32) for n in noise]))
+    kept = x * tf.convert_to_tensor(1 / (1 - rate), dtype=x.dtype)
+    return tf.where(uniform >= rate, kept, tf.zeros((), x.dtype))
 
 
 def _broadcast_shape(inputs, axes):
@@ -913,6 +979,11 @@ INTERNALS = {
         "_reduction_axes",
     ),
     "keras.src.layers.core.lambda_layer.Lambda (source)": ("_output_shape",),
+    "keras.src.backend.tensorflow.random": ("_cast_seed",),
+    "keras.src.random.seed_generator": ("draw_seed",),
+    "keras.src.layers.regularization.spatial_dropout.BaseSpatialDropout (source)": (
+        "_get_noise_shape",
+    ),
     "keras.src.trainers.data_adapters.array_data_adapter": ("ArrayDataAdapter",),
     "keras.src.trainers.data_adapters.array_data_adapter.ArrayDataAdapter (source)": (
         "_inputs",

@@ -174,13 +174,14 @@ class DistributedModel(keras.Model):
             return super().__call__(*args, **kwargs)
 
     def _kd_prepare_layers(self) -> None:
-        if not self._kd_sync_batch_norm:
-            return
         if self._kd_strategy.num_replicas_in_sync < 2:
             return
         for layer in _keras_compat.iter_sublayers(self):
-            if isinstance(layer, keras.layers.BatchNormalization):
+            if isinstance(layer, keras.layers.BatchNormalization) and self._kd_sync_batch_norm:
                 _keras_compat.synchronize_batch_norm(layer)
+            elif isinstance(layer, keras.layers.Dropout):
+                # Each replica draws its rows of the one-device mask.
+                _keras_compat.replica_invariant_dropout(layer)
 
     def _kd_adopt(self, obj):
         """Moves a Keras object made outside the strategy onto it, in place.

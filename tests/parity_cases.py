@@ -166,6 +166,24 @@ def _numpy():
     return build, train
 
 
+@case("dropout", "`Dropout` (per element and with a `noise_shape`), seeded layers: the same masks as one device")
+def _dropout():
+    def build(kd):
+        inputs = keras.Input((D,))
+        h = keras.layers.Dense(16, activation="relu")(inputs)
+        h = keras.layers.Dropout(0.4, seed=11)(h)
+        h = keras.layers.Dense(8, activation="relu")(h)
+        h = keras.layers.Dropout(0.3, noise_shape=(None, 8), seed=12)(h)
+        return keras.Model(inputs, keras.layers.Dense(1)(h))
+
+    def train(model):
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        x, y = data()
+        return fit_eval_predict(model, x, y)
+
+    return build, train
+
+
 @case("functional_form", "`DistributedModel(inputs, outputs)` on layers built first")
 def _functional_form():
     def build(kd):
