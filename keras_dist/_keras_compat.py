@@ -118,7 +118,7 @@ def symbolic_build(model, iterator=None, data_batch=None) -> None:
         # in `on_train_begin` needs the variables before it. The input's
         # spec stands in for a batch (no iterator is made).
         if data_batch is None and iterator is not None:
-            data_batch = _input_spec(getattr(iterator, "data_adapter", None))
+            data_batch = _adapter_batch_spec(getattr(iterator, "data_adapter", None))
         if data_batch is not None:
             model._symbolic_build(data_batch=data_batch)
         return
@@ -148,7 +148,7 @@ def clone_layer(layer):
     return layer.__class__.from_config(layer.get_config())
 
 
-def _input_spec(adapter):
+def _adapter_batch_spec(adapter):
     """The spec of a batch of arrays or of a `tf.data` pipeline, read without
     making a dataset or an iterator (either could change what a seeded
     program draws); None for other input (built at the first step)."""

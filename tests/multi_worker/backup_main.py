@@ -1,7 +1,8 @@
 """A training job that backs up with BackupAndRestore and can be killed.
 
 Usage: backup_main.py OUT_DIR BACKUP_DIR [key=value ...]
-Options: input=numpy|dataset, spe=N, freq=epoch|N, epochs=N,
+Options: input=numpy|dataset, spe=N, freq=epoch|N, epochs=N, batch=B (global),
+replicas=R (one process: R logical CPUs), dropout=RATE, bn=1 (BatchNormalization),
 kill=K / term=K (SIGKILL / SIGTERM this process after its K-th trained call,
 on rank `victim`, default 0), seconds=S (save_every_seconds),
 killsave=K:STAGE (SIGKILL this process inside its K-th backup save: STAGE
@@ -76,10 +77,14 @@ class Net(keras_dist.DistributedModel):
         super().__init__(**kwargs)
         self.hidden = keras.layers.Dense(8, activation="relu")
         self.drop = keras.layers.Dropout(float(opts.get("dropout", 0.2)))
+        self.norm = keras.layers.BatchNormalization() if opts.get("bn") else None
         self.out = keras.layers.Dense(1)
 
     def call(self, inputs, training=None):
-        return self.out(self.drop(self.hidden(inputs[:, 1:]), training=training))
+        hidden = self.hidden(inputs[:, 1:])
+        if self.norm is not None:
+            hidden = self.norm(hidden, training=training)
+        return self.out(self.drop(hidden, training=training))
 
     def train_step(self, data):
         logs = super().train_step(data)

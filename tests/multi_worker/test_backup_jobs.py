@@ -121,3 +121,32 @@ def test_two_workers_sigkill_and_sigterm_then_resume(tmp_path):
     )
     check_each_sample_once(kept, EPOCHS)
     assert not os.path.exists(tmp_path / "backup")
+
+
+@pytest.mark.parametrize("source", ["numpy", "dataset"])
+def test_resumes_on_another_number_of_workers(tmp_path, source):
+    """2 workers -> killed -> 1 process -> killed -> 3 workers, global batch
+    12, Adam, BatchNormalization, Dropout, no seed but the model's: the
+    weights of an uninterrupted 2-worker run, each sample once per epoch."""
+    opts = [f"input={source}", "batch=12", "freq=1", "bn=1"]
+    code, out = run_single(tmp_path / "ref", tmp_path / "ref-backup", *opts)
+    assert code == 0, out
+    codes, first = run_workers(SCRIPT, [str(tmp_path / "job"), str(tmp_path / "backup"),
+                                        *opts, "kill=5", "victim=1"],
+                               check=False)
+    assert codes[1] == -9, first
+    code, second = run_single(tmp_path / "job", tmp_path / "backup", *opts, "replicas=1",
+                              "kill=3")
+    assert code == -9, second
+    assert "restored" in second
+    third = run_workers(SCRIPT, [str(tmp_path / "job"), str(tmp_path / "backup"), *opts],
+                        num_workers=3)
+    assert "restored" in third[0]
+    reference = weights(tmp_path / "ref" / "rank0.npz")
+    for rank in range(3):
+        assert max_diff(reference, weights(tmp_path / "job" / f"rank{rank}.npz")) < 1e-5
+    kept, runs = surviving_steps(tmp_path / "job" / "ids-rank0.txt",
+                                 [first[0], second, third[0]])
+    assert len(runs) == 3
+    assert len(kept) == EPOCHS * 4  # 48 samples, global batch 12
+    check_each_sample_once(kept, EPOCHS)
