@@ -319,11 +319,9 @@ def replica_invariant_dropout(layer) -> None:
             or context.num_replicas_in_sync < 2
         ):
             return keras_call(inputs, training=training)
-        noise_shape = (
-            layer._get_noise_shape(inputs) if hasattr(layer, "_get_noise_shape")
-            else layer.noise_shape
-        )
-        if noise_shape is not None and noise_shape[0] is not None:
+        spatial = hasattr(layer, "_get_noise_shape")  # one draw per sample and channel
+        noise_shape = layer._get_noise_shape(inputs) if spatial else layer.noise_shape
+        if not spatial and noise_shape is not None and noise_shape[0] is not None:
             return keras_call(inputs, training=training)  # one mask for every row
         return _dropout_rows(inputs, layer.rate, noise_shape,
                              keras_random.draw_seed(layer.seed_generator), context)
@@ -338,8 +336,10 @@ def _dropout_rows(inputs, rate, noise_shape, seed, context):
     x = tf.convert_to_tensor(inputs)
     seed = keras_tf_random._cast_seed(seed)
     shape = tf.shape(x)
-    noise = [shape[i] if noise_shape is None or noise_shape[i] is None else noise_shape[i]
-             for i in range(x.shape.rank)]
+    noise = [shape[0]] + [  # this replica's rows, then the noise shape's other axes
+        shape[i] if noise_shape is None or noise_shape[i] is None else noise_shape[i]
+        for i in range(1, x.shape.rank)
+    ]
     rows = tf.cast(noise[0], tf.int64)
     inner = tf.reduce_prod(tf.cast(tf.stack(noise[1:]), tf.int64)) if len(noise) > 1 else (
         tf.constant(1, tf.int64))

@@ -166,11 +166,14 @@ def _numpy():
     return build, train
 
 
-@case("dropout", "`Dropout` (per element and with a `noise_shape`), seeded layers: the same masks as one device")
+@case("dropout", "`Dropout` (per element, with a `noise_shape`, spatial), seeded layers: the same masks as one device")
 def _dropout():
     def build(kd):
         inputs = keras.Input((D,))
         h = keras.layers.Dense(16, activation="relu")(inputs)
+        h = keras.layers.Reshape((4, 4))(h)
+        h = keras.layers.SpatialDropout1D(0.25, seed=10)(h)
+        h = keras.layers.Flatten()(h)
         h = keras.layers.Dropout(0.4, seed=11)(h)
         h = keras.layers.Dense(8, activation="relu")(h)
         h = keras.layers.Dropout(0.3, noise_shape=(None, 8), seed=12)(h)
