@@ -155,6 +155,9 @@ def _adapter_batch_spec(adapter):
     if isinstance(adapter, keras_tf_dataset_adapter.TFDatasetAdapter):
         return adapter._dataset.element_spec
     if isinstance(adapter, keras_array_adapter.ArrayDataAdapter):
+        leaves = [a for a in tf.nest.flatten(adapter._inputs) if a is not None]
+        if not all(isinstance(a, (np.ndarray, tf.Tensor)) for a in leaves):
+            return None  # e.g. a DataFrame: Keras converts it per batch
         return tf.nest.map_structure(
             lambda a: None if a is None else tf.TensorSpec(
                 (None,) + tuple(a.shape[1:]), tf.as_dtype(a.dtype)
