@@ -245,6 +245,10 @@ def configure_collectives(cluster_spec, task_type: str, task_id: int) -> bool:
         ctx.configure_coordination_service(
             service_type="standalone",
             service_leader=multi_worker_util.coordination_leader(spec),
+            # TensorFlow's default (10 s) failed a 2-worker job once on a
+            # 2-core machine under load: the leader's own heartbeat came
+            # late. `keras-dist launch` watches its workers itself.
+            heartbeat_timeout_in_ms=60_000,
             coordinated_jobs=[
                 coordination_config_pb2.CoordinatedJob(
                     name=job, num_tasks=spec.num_tasks(job)
