@@ -288,8 +288,7 @@ class ShardedModel(keras.Model):
                     f"Variable {target.path!r} has shape {tuple(target.shape)}; "
                     f"argument `weights` gives {tuple(value.shape)}."
                 )
-        for target, value in zip(targets, weights):
-            target.assign(self._from_chief(np.asarray(value), self._kd.layouts[target.path]))
+        self._scatter(targets, weights)
         self._refresh_mirror()
 
     # -- variables ---------------------------------------------------------
@@ -606,11 +605,16 @@ class ShardedModel(keras.Model):
     def _restore_backup_variables(self) -> None:
         """Scatters the host variables of `_backup_variables` (just read
         from a backup) onto the shards, in this mesh's layouts."""
-        pairs = [*zip(self._kd.model.variables, self.mirror.variables),
-                 *zip(self.optimizer.variables, self._kd.host_optimizer)]
-        for target, source in pairs:
+        self._scatter(self._kd.model.variables, [v.numpy() for v in self.mirror.variables])
+        self._scatter(self.optimizer.variables,
+                      [v.numpy() for v in self._kd.host_optimizer])
+
+    def _scatter(self, targets, values) -> None:
+        """Assigns each whole value to its sharded variable, in its layout
+        (process 0's value on every process)."""
+        for target, value in zip(targets, values):
             target.assign(
-                self._from_chief(source.numpy(), dtensor.fetch_layout(target.value))
+                self._from_chief(np.asarray(value), dtensor.fetch_layout(target.value))
             )
 
     def _copy_from(self, source: keras.Model) -> None:
@@ -627,10 +631,7 @@ class ShardedModel(keras.Model):
         if len(slots) == len(targets) and all(
             tuple(a.shape) == tuple(b.shape) for a, b in zip(slots, targets)
         ):
-            for origin, target in zip(slots, targets):
-                target.assign(
-                    self._from_chief(origin.numpy(), dtensor.fetch_layout(target.value))
-                )
+            self._scatter(targets, [v.numpy() for v in slots])
 
 
 def _clone(model: keras.Model) -> keras.Model:
@@ -694,22 +695,19 @@ def _is_arrays(x) -> bool:
 
 
 def _check_callbacks(callbacks) -> None:
-    """keras_dist's callbacks that work with a strategy's replicas: refused."""
+    """keras_dist's callbacks a ShardedModel cannot run: refused before any step."""
     from keras_dist.callbacks import BackupAndRestore, PerReplicaMetrics
 
-    fixes = {
-        PerReplicaMetrics: "Remove it (a ShardedModel has no replicas to compare)",
-    }
     for callback in callbacks or []:
-        for kind, fix in fixes.items():
-            if isinstance(callback, kind):
-                raise ValueError(
-                    f"Invalid callback in argument `callbacks`: {kind.__name__} "
-                    "does not support a ShardedModel yet (it works with the "
-                    "replicas of a tf.distribute strategy; a ShardedModel splits "
-                    "the batch over the mesh's 'batch' axis). Received: "
-                    f"callbacks=[..., {kind.__name__}(...), ...]. {fix}."
-                )
+        if isinstance(callback, PerReplicaMetrics):
+            raise ValueError(
+                "Invalid callback in argument `callbacks`: PerReplicaMetrics "
+                "does not support a ShardedModel yet (it works with the "
+                "replicas of a tf.distribute strategy; a ShardedModel splits "
+                "the batch over the mesh's 'batch' axis). Received: "
+                "callbacks=[..., PerReplicaMetrics(...), ...]. Remove it (a "
+                "ShardedModel has no replicas to compare)."
+            )
         if isinstance(callback, BackupAndRestore) and dtensor.num_clients() > 1:
             raise ValueError(
                 "Invalid callback in argument `callbacks`: BackupAndRestore "
