@@ -9,12 +9,14 @@ keras-tuner upgrade that moves one fails there, by name.
 from __future__ import annotations
 
 # Public.
+import numpy as np
 from keras_tuner import HyperParameters  # noqa: F401
 from keras_tuner import synchronized  # noqa: F401
 from keras_tuner.engine.base_tuner import BaseTuner  # noqa: F401
 from keras_tuner.engine.trial import Trial  # noqa: F401
 from keras_tuner.engine.trial import TrialStatus  # noqa: F401
 from keras_tuner.engine.tuner import maybe_distribute  # noqa: F401
+from keras_tuner.oracles import BayesianOptimizationOracle
 
 # Internal: keras-tuner's distributed mode has no public path.
 from keras_tuner.src import protos  # noqa: F401
@@ -74,6 +76,22 @@ def oracle_stub(client):
     return client._oracle
 
 
+def honour_seed_zero(oracle, seed) -> None:
+    """Makes a tuner's `seed=0` a seed, as it is everywhere else in Python.
+
+    keras-tuner's `Oracle` keeps `seed or random.randint(1, 10000)`, so
+    `seed=0` drew other hyperparameters on every run. An oracle that has
+    drawn trials already (a resumed search) keeps the seed it ran with.
+    """
+    if seed != 0 or getattr(oracle, "seed", 0) == 0 or oracle.trials:
+        return
+    oracle.seed = 0
+    oracle._seed_state = 0
+    if isinstance(oracle, BayesianOptimizationOracle):
+        oracle._random_state = np.random.RandomState(0)
+        oracle.gpr = oracle._make_gpr()
+
+
 OVERRIDDEN = {
     "_build_hypermodel": ("keras_tuner.Tuner",),
     "_configure_tensorboard_dir": ("keras_tuner.Tuner",),
@@ -90,3 +108,12 @@ INTERNALS = {
     "keras_tuner.src.utils": ("load_json",),
 }
 """The internal modules and names above, for the test that pins them."""
+
+ATTRIBUTES = {
+    "keras_tuner.oracles.RandomSearchOracle": ("seed", "_seed_state"),
+    "keras_tuner.oracles.BayesianOptimizationOracle": (
+        "seed", "_seed_state", "_random_state", "gpr", "_make_gpr",
+    ),
+}
+"""Private oracle attributes `honour_seed_zero` sets (owner: names); they
+exist on an instance only, so the pin test makes one."""

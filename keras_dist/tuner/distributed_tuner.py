@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 
 import numpy as np
@@ -21,6 +22,15 @@ _STATUSES = (
     kt.TrialStatus.STOPPED,
 )
 _CODE_LENGTH = 64
+
+
+def _argument(function, name: str, args: tuple, kwargs: dict):
+    """The value `name` receives in a call `function(*args, **kwargs)`."""
+    try:
+        bound = inspect.signature(function).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return kwargs.get(name)
+    return bound.arguments.get(name, bound.arguments.get("kwargs", {}).get(name))
 
 
 class DistributedTuner:
@@ -135,7 +145,9 @@ class DistributedTuner:
         kwargs["distribution_strategy"] = self._trial_strategy
         if kt.has_chief_oracle() and not chief:
             worker_overwrite(kwargs)
+        seed = _argument(super().__init__, "seed", args, kwargs)
         super().__init__(*args, **kwargs)
+        kt.honour_seed_zero(self.oracle, seed)
         if isinstance(self.oracle, kt.oracle_client.OracleClient):
             connect, call, beat = self._client_timeouts
             client = _oracle.Client(

@@ -153,3 +153,55 @@ def test_import_without_keras_tuner_names_the_extra():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True,
                          text=True, timeout=120)
     assert 'pip install "keras-dist[tuner]"' in out.stdout, out.stderr
+
+
+def wide_space(hp):
+    model = keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(hp.Int("units", 4, 512), activation="relu"),
+        keras.layers.Dense(1),
+    ])
+    model.compile(keras.optimizers.SGD(hp.Float("lr", 1e-4, 1e-1, sampling="log")), "mse")
+    return model
+
+
+@pytest.mark.parametrize("kind", ["RandomSearch", "BayesianOptimization"])
+def test_seed_zero_draws_the_same_trials_every_run(tmp_path, kind):
+    # keras-tuner alone treats seed=0 as no seed (a random one per run).
+    tuner_class = getattr(keras_dist.tuner, kind)
+
+    def draws(seed, directory):
+        tuner = tuner_class(wide_space, objective="loss", max_trials=3, seed=seed,
+                            directory=tmp_path / directory, project_name="p")
+        return tuner.oracle.seed, [
+            tuner.oracle.create_trial(f"tuner{i}").hyperparameters.values
+            for i in range(3)
+        ]
+
+    first, second = draws(0, "a"), draws(0, "b")
+    assert first[0] == 0 and first == second
+    assert draws(7, "c") == draws(7, "d")
+    assert draws(7, "e") != first
+
+
+def test_a_resumed_search_keeps_its_seed(tmp_path):
+    # A search started by keras-tuner with seed=0 drew its own random seed;
+    # resuming it under keras_dist keeps that seed (and its trials).
+    old = keras_tuner.RandomSearch(wide_space, objective="loss", max_trials=3, seed=0,
+                                   directory=tmp_path, project_name="p")
+    old.oracle.create_trial("tuner0")
+    old.save()
+    resumed = RandomSearch(wide_space, objective="loss", max_trials=3, seed=0,
+                           directory=tmp_path, project_name="p", overwrite=False)
+    assert resumed.oracle.seed == old.oracle.seed != 0
+    assert list(resumed.oracle.trials) == list(old.oracle.trials)
+
+
+def test_the_private_oracle_attributes_set_for_seed_zero_exist():
+    from keras_dist.tuner import _kt_compat
+
+    for owner, names in _kt_compat.ATTRIBUTES.items():
+        module, name = owner.rsplit(".", 1)
+        oracle = getattr(importlib.import_module(module), name)(objective="loss", seed=3)
+        missing = [n for n in names if not hasattr(oracle, n)]
+        assert not missing, f"keras-tuner renamed {owner}.{missing}: update _kt_compat.py"
