@@ -30,6 +30,9 @@ examples:
   keras-dist launch --num-workers 2 --max-restarts 3 --log-dir logs train.py
       restart the group after a failure (resume with BackupAndRestore);
       per-worker logs in logs/worker-<rank>.log
+  keras-dist launch --num-workers 3 --min-workers 1 --log-dir logs train.py
+      elastic: a failed or preempted worker is left out (down to 1 worker),
+      the job goes on from its BackupAndRestore backup and grows back later
   keras-dist launch --hosts n1:2222,n2:2222 --rank 0 train.py
       multi-host: run once per host with its --rank
   srun keras-dist launch train.py
@@ -79,6 +82,13 @@ def _parser() -> argparse.ArgumentParser:
                      "(default: free ports)")
     run.add_argument("--max-restarts", type=int, default=0,
                      help="restart the worker group after a failure, up to K times")
+    run.add_argument("--min-workers", type=int, metavar="K",
+                     help="local mode, elastic: when a worker fails after the "
+                     "restarts are used up, or is preempted (exit 42), go on "
+                     "from the last backup with one worker fewer, down to K")
+    run.add_argument("--rejoin-after", type=float, default=60.0, metavar="SECONDS",
+                     help="with --min-workers: grow back to --num-workers "
+                     "after this long on fewer (the group saves and exits first)")
     run.add_argument("--log-dir", help="write worker-<rank>.log files here "
                      "(default: prefixed lines on standard output)")
     run.add_argument("--grace-period", type=float, default=5.0,
@@ -205,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             start_timeout=args.start_timeout or None,
             hang_timeout=args.hang_timeout or None,
             private_network=args.private_network,
+            min_workers=args.min_workers,
+            rejoin_after=args.rejoin_after,
         )
     except (ValueError, TypeError) as e:
         print(f"keras-dist launch: error: {e}", file=sys.stderr)

@@ -54,6 +54,7 @@ class Outcome:
     reason: str = ""
     interrupted: bool = False
     port_conflict: bool = False
+    stopped_to_resize: bool = False
 
 
 # What TensorFlow prints when its gRPC server cannot bind its port: in local
@@ -61,6 +62,8 @@ class Outcome:
 # bind. Such starts are retried with fresh ports, not counted as restarts.
 _PORT_CONFLICT_MARKERS = ("Could not start gRPC server", "Address already in use")
 PORT_RETRIES = 3
+# How long a group asked to save and exit for a resize gets to do so.
+RESIZE_SAVE_SECONDS = 60.0
 
 # Lines TensorFlow prints at every start that say nothing about the job (no
 # GPU on this machine, CPU build flags, a tf.data optimization note). Without
@@ -296,14 +299,19 @@ class Group:
                 )
         return ""
 
-    def wait(self, interrupt: list[int]) -> Outcome:
-        """Supervises the group until it ends; one handler per event."""
+    def wait(self, interrupt: list[int], resize_at: float | None = None) -> Outcome:
+        """Supervises the group until it ends; one handler per event.
+
+        `resize_at`: a `time.monotonic()` time at which the group is asked
+        to save and exit (SIGTERM), so that the job can go on at another size.
+        """
         while True:
             outcome = (
                 self._on_interrupt(interrupt)
                 or self._on_failure()
                 or self._on_success()
                 or self._on_hang()
+                or self._on_resize_time(resize_at)
             )
             if outcome is not None:
                 return outcome
@@ -362,3 +370,21 @@ class Group:
         say("stopping the workers")
         self.stop()
         return Outcome(HANG_EXIT_CODE, reason)
+
+    def _on_resize_time(self, resize_at: float | None) -> Outcome | None:
+        if resize_at is None or time.monotonic() < resize_at:
+            return None
+        # BackupAndRestore saves at the next step boundary and exits 42 on
+        # every worker; a worker still starting up has nothing to save.
+        self.signal_all(signal.SIGTERM)
+        await_exit(self.workers, max(self.grace_period, RESIZE_SAVE_SECONDS))
+        codes = [w.proc.poll() for w in self.workers]
+        self.stop()
+        if codes == [0] * len(codes):
+            for worker in self.workers:
+                worker.reader.join(timeout=5)
+            return Outcome(0)
+        return Outcome(
+            exit_status(next(c for c in codes if c != 0) if None not in codes else -9),
+            "stopped to resize", stopped_to_resize=True,
+        )

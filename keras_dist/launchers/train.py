@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from keras_dist import _cluster
 from keras_dist import _liveness
 from keras_dist import _netns
-from keras_dist._checks import check_count, check_launch_arguments
+from keras_dist._checks import check_count, check_launch_arguments, check_seconds
 from keras_dist.launchers.supervisor import (
     PORT_RETRIES,
+    PREEMPTED_EXIT_CODE,
     Group,
     forwarded_signals,
     python_command,
@@ -36,6 +37,8 @@ def launch(
     start_timeout: float | None = 300.0,
     hang_timeout: float | None = 900.0,
     private_network: bool = False,
+    min_workers: int | None = None,
+    rejoin_after: float = 60.0,
 ) -> int:
     """Runs `script` as the workers of a multi-worker job and supervises them.
 
@@ -63,6 +66,17 @@ def launch(
     (exit status 124) and restarted if `max_restarts` allows. A worker that
     exits 42 (a `BackupAndRestore` preemption save) gets the grace period
     for the others to finish their save too.
+
+    Elastic local jobs (`min_workers=K`, K <= N): a job that backs itself up
+    with `keras_dist.callbacks.BackupAndRestore` keeps running on fewer
+    workers instead of failing. When a worker fails and the restarts are
+    used up, or a worker is preempted (exit 42: it saved), the job goes on
+    from the last backup with one worker fewer, down to K; after
+    `rejoin_after` seconds on fewer than N workers, the launcher asks the
+    group to save and exit (SIGTERM) and starts N workers again. The
+    backup resumes on any number of workers at the same global batch, so
+    the run is the one an uninterrupted job gives (see docs/elastic.md).
+    Every change of size is logged with its reason.
 
     Args:
         script: Path of the Python script every worker runs.
@@ -94,6 +108,12 @@ def launch(
             private loopback. TensorFlow's servers listen on every interface
             (it has no setting for that); in the namespace nothing outside
             can reach them, and the workers cannot reach the network.
+        min_workers: Local mode only: positive integer <= `num_workers`,
+            default None (no resizing): the fewest workers the job may
+            continue on.
+        rejoin_after: Positive number of seconds, default 60: how long a
+            job with `min_workers` runs on fewer than `num_workers` workers
+            before it grows back.
 
     Returns:
         0 when every worker succeeded; otherwise the failed worker's exit
@@ -112,6 +132,7 @@ def launch(
     """
     configs_for = _plan(script, num_workers, hosts, rank, max_restarts, log_dir,
                         grace_period, module, port)
+    _check_elastic(min_workers, rejoin_after, num_workers, hosts)
     timeouts = _liveness.Timeouts.checked(start_timeout, hang_timeout)
     if private_network and not _netns.inside():
         if num_workers is None:
@@ -122,9 +143,12 @@ def launch(
                 f"{hosts!r}. Keep multi-host jobs on a private network or "
                 "behind a firewall."
             )
+        elastic = ([] if min_workers is None else
+                   ["--min-workers", str(min_workers),
+                    "--rejoin-after", repr(float(rejoin_after))])
         return _netns.relaunch(
             ["launch", "--num-workers", str(num_workers),
-             "--max-restarts", str(max_restarts)],
+             "--max-restarts", str(max_restarts), *elastic],
             script, script_args, port=port, log_dir=log_dir,
             grace_period=grace_period, module=module, verbose=verbose,
             start_timeout=start_timeout, hang_timeout=hang_timeout,
@@ -143,6 +167,9 @@ def launch(
         max_restarts=max_restarts,
         # Fresh ports can be drawn only for a local job on launcher-chosen ports.
         redraw_ports=num_workers is not None and port is None,
+        size=num_workers,
+        min_workers=min_workers,
+        rejoin_after=rejoin_after,
     )
     with forwarded_signals() as interrupt:
         return job.run(interrupt)
@@ -150,10 +177,12 @@ def launch(
 
 class _Job:
     """Runs the worker group until it succeeds, is interrupted or runs out
-    of restarts; one handler per outcome."""
+    of restarts; one handler per outcome. An elastic job (`min_workers`)
+    also changes the group's size: `size` workers now, `full` wanted."""
 
     def __init__(self, command, configs_for, *, log_dir, grace_period, verbose,
-                 timeouts, max_restarts, redraw_ports):
+                 timeouts, max_restarts, redraw_ports, size=None, min_workers=None,
+                 rejoin_after=60.0):
         self.command = command
         self.configs_for = configs_for
         self.log_dir = log_dir
@@ -162,15 +191,24 @@ class _Job:
         self.timeouts = timeouts
         self.max_restarts = max_restarts
         self.redraw_ports = redraw_ports
+        self.size = self.full = size
+        self.min_workers = min_workers
+        self.rejoin_after = rejoin_after
         self.restarts = 0
+        self.resizes = 0
         self.port_retries = 0
         self.started = time.monotonic()
 
     def run(self, interrupt) -> int:
         while True:
-            configs = self.configs_for()
-            outcome = self._start(configs).wait(interrupt)
-            for handler in (self._on_port_conflict, self._on_success, self._on_failure):
+            configs = self.configs_for(self.size)
+            resize_at = (
+                time.monotonic() + self.rejoin_after
+                if self.min_workers is not None and self.size < self.full else None
+            )
+            outcome = self._start(configs).wait(interrupt, resize_at)
+            for handler in (self._on_port_conflict, self._on_success, self._on_regrow,
+                            self._on_failure):
                 status = handler(outcome, configs)  # an exit status, "retry" or None
                 if status is not None:
                     break
@@ -180,13 +218,19 @@ class _Job:
     def _start(self, configs) -> Group:
         processes = [(f"worker {r}", {"TF_CONFIG": c}) for r, c in configs]
         say(
-            ("restart: " if self.restarts or self.port_retries else "")
+            ("restart: " if self.restarts or self.port_retries or self.resizes else "")
             + f"starting {_describe_workers(configs)}: python "
             + " ".join(self.command)
             + (f" (output in {self.log_dir}/worker-<rank>.log)" if self.log_dir else "")
         )
         return Group(self.command, processes, self.log_dir, self.grace_period,
                      self.verbose, timeouts=self.timeouts)
+
+    def _resize(self, size: int, reason: str) -> str:
+        say(f"resize: {self.size} -> {size} workers because {reason}")
+        self.size = size
+        self.resizes += 1
+        return "retry"
 
     def _on_port_conflict(self, outcome, configs):
         if not (outcome.port_conflict and self.redraw_ports
@@ -206,16 +250,36 @@ class _Job:
             f"job finished: {len(configs)} worker(s) exited with code 0 "
             f"after {time.monotonic() - self.started:.1f}s"
             + (f" and {self.restarts} restart(s)" if self.restarts else "")
+            + (f" and {self.resizes} resize(s)" if self.resizes else "")
         )
         return 0
+
+    def _on_regrow(self, outcome, configs):
+        if not outcome.stopped_to_resize:
+            return None
+        return self._resize(
+            self.full, f"{self.rejoin_after:g}s passed on fewer than "
+            f"{self.full} workers (the group saved and exited to grow)"
+        )
 
     def _on_failure(self, outcome, configs):
         if outcome.interrupted:
             return outcome.code
+        preempted = outcome.code == PREEMPTED_EXIT_CODE
+        can_shrink = self.min_workers is not None and self.size > self.min_workers
+        if preempted and can_shrink:
+            return self._resize(self.size - 1, outcome.reason)
         if self.restarts >= self.max_restarts:
+            if can_shrink:
+                return self._resize(
+                    self.size - 1, f"{outcome.reason} and the restarts are used up "
+                    f"({self.restarts}/{self.max_restarts})"
+                )
             say(
                 f"job failed: {outcome.reason}"
                 + (f" (after {self.restarts} restart(s))" if self.restarts else "")
+                + (f" (on {self.size}, the fewest workers allowed)"
+                   if self.min_workers is not None else "")
             )
             return outcome.code
         self.restarts += 1
@@ -224,6 +288,25 @@ class _Job:
             f"because {outcome.reason}"
         )
         return "retry"
+
+
+def _check_elastic(min_workers, rejoin_after, num_workers, hosts) -> None:
+    check_seconds("rejoin_after", rejoin_after)
+    if min_workers is None:
+        return
+    check_count("min_workers", min_workers)
+    if num_workers is None:
+        raise ValueError(
+            "Argument `min_workers` applies to local jobs (num_workers=N) only. "
+            f"Received: min_workers={min_workers!r}, hosts={hosts!r}. A "
+            "multi-host job resumes on another number of hosts when it is "
+            "started again with the new --hosts list (docs/elastic.md)."
+        )
+    if min_workers > num_workers:
+        raise ValueError(
+            "Invalid value for argument `min_workers`. Expected at most "
+            f"num_workers={num_workers}. Received: min_workers={min_workers!r}."
+        )
 
 
 def _describe_workers(configs) -> str:
@@ -253,10 +336,11 @@ def _plan(script, num_workers, hosts, rank, max_restarts, log_dir, grace_period,
         if port is not None:
             fixed = _cluster.consecutive_ports(port, num_workers)
 
-        def local():
-            ports = fixed if port is not None else _cluster.loopback_ports(num_workers)
+        def local(size=num_workers):
+            ports = (fixed[:size] if port is not None
+                     else _cluster.loopback_ports(size))
             workers = [f"127.0.0.1:{p}" for p in ports]
-            return [(r, _cluster.tf_config(workers, r)) for r in range(num_workers)]
+            return [(r, _cluster.tf_config(workers, r)) for r in range(size)]
 
         return local
     if port is not None:
@@ -275,12 +359,12 @@ def _plan(script, num_workers, hosts, rank, max_restarts, log_dir, grace_period,
         _cluster.check_rank(rank, len(workers))
         _cluster.check_port_free(workers[rank])
         config = _cluster.tf_config(workers, rank)
-        return lambda: [(rank, config)]
+        return lambda size=None: [(rank, config)]
     slurm = _cluster.slurm_cluster()
     if slurm is not None:
         workers, slurm_rank = slurm
         config = _cluster.tf_config(workers, slurm_rank)
-        return lambda: [(slurm_rank, config)]
+        return lambda size=None: [(slurm_rank, config)]
     raise ValueError(
         "No cluster given. Pass num_workers=N (--num-workers N) for N local "
         "workers, or hosts='h1:port,h2:port' with rank=I (--hosts, --rank) "

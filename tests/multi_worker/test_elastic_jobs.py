@@ -1,0 +1,228 @@
+"""Tier 2: `keras-dist launch --min-workers` loses and regains workers, and the
+run is still the one an uninterrupted 2-worker job gives."""
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from multi_worker._cluster import run_workers
+from multi_worker.test_backup_jobs import SCRIPT, max_diff, weights
+
+pytestmark = pytest.mark.multi_worker
+
+N = 48  # samples
+STEPS = 4  # per epoch: global batch 12
+STARTING = re.compile(r"\[keras-dist\] (?:restart: )?starting (\d+) worker")
+RESIZE = re.compile(r"\[keras-dist\] resize: (\d+) -> (\d+) workers because (.*)")
+RESTORED = re.compile(r"\[worker 0\] .*BackupAndRestore: restored .*\(epoch (\d+), step (\d+)\)")
+
+
+class ElasticJob:
+    """A `keras-dist launch` of backup_main.py, disturbed from outside."""
+
+    def __init__(self, tmp_path, *options, num_workers=3, min_workers=1, rejoin_after=7):
+        self.ids = tmp_path / "job" / "ids-rank0.txt"
+        self.out_dir = tmp_path / "job"
+        self.lines = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "keras_dist.cli", "launch",
+             "--num-workers", str(num_workers), "--min-workers", str(min_workers),
+             "--rejoin-after", str(rejoin_after), "--grace-period", "3",
+             SCRIPT, str(self.out_dir), str(tmp_path / "backup"), *options],
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES=""),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def generations(self) -> int:
+        return sum(1 for line in list(self.lines) if STARTING.search(line))
+
+    def size(self) -> int:
+        sizes = [int(m.group(1)) for m in map(STARTING.search, list(self.lines)) if m]
+        return sizes[-1] if sizes else 0
+
+    def workers(self) -> list[int]:
+        """The launcher's live worker processes."""
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.proc.pid and fields[0] not in "ZX":
+                found.append(int(entry))
+        return found
+
+    def steps_recorded(self) -> int:
+        if not self.ids.exists():
+            return 0
+        return sum(1 for line in open(self.ids) if line[:1].isdigit())
+
+    def wait_for_a_step(self, generation: int, recorded: int, timeout=180) -> bool:
+        """True once generation `generation` runs with all its workers and has
+        recorded a step beyond `recorded`; False when the job ended."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            if (self.generations() == generation and self.steps_recorded() > recorded
+                    and len(self.workers()) == self.size()):
+                return True
+            time.sleep(0.05)
+        raise AssertionError("no step within the timeout:\n" + self.output()[-5000:])
+
+    def finish(self, timeout=300) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        self.reader.join(timeout=10)
+        return code
+
+
+def last_record_per_step(ids_file):
+    """{(epoch, step): ids} keeping the step as last trained (a resumed run
+    trains again what its backup did not hold)."""
+    kept = {}
+    for line in open(ids_file):
+        if line[:1].isdigit():
+            parts = line.split()
+            kept[(int(parts[0]), int(parts[1]))] = sorted(int(i) for i in parts[2:])
+    return kept
+
+
+def check_the_run(tmp_path, job, options, epochs):
+    """Weights of an uninterrupted 2-worker run on every final worker; each
+    sample trained once per epoch; every step of every epoch trained."""
+    run_workers(SCRIPT, [str(tmp_path / "ref"), str(tmp_path / "ref-backup"), *options])
+    reference = weights(tmp_path / "ref" / "rank0.npz")
+    final = job.size()
+    for rank in range(final):
+        assert max_diff(reference, weights(job.out_dir / f"rank{rank}.npz")) < 1e-5
+    kept = last_record_per_step(job.ids)
+    assert sorted(kept) == [(e, s) for e in range(epochs) for s in range(STEPS)]
+    for epoch in range(epochs):
+        seen = sorted(i for s in range(STEPS) for i in kept[(epoch, s)])
+        assert seen == list(range(N)), f"epoch {epoch}: {seen}"
+    assert not (tmp_path / "backup").exists()  # deleted when training ended
+
+
+def resumed_positions(output):
+    """(generation index, next step index) of each resume, from worker 0's lines."""
+    positions, generation = [], 0
+    for line in output.splitlines():
+        if STARTING.search(line):
+            generation += 1
+        match = RESTORED.search(line)
+        if match:
+            positions.append((generation, (int(match.group(1)) - 1) * STEPS
+                              + int(match.group(2))))
+    return positions
+
+
+def records_per_generation(ids_file):
+    runs = []
+    for line in open(ids_file):
+        if line.startswith("start"):
+            runs.append([])
+        elif line[:1].isdigit():
+            epoch, step = map(int, line.split()[:2])
+            runs[-1].append(epoch * STEPS + step)
+    return runs
+
+
+def test_a_job_shrinks_on_a_kill_and_a_preemption_then_grows_back(tmp_path):
+    """3 workers; SIGKILL one (no restarts left): 2 workers; SIGTERM one
+    (preemption: it saves, exits 42): 1 worker, not a step lost; after
+    --rejoin-after the launcher grows the job back to 3."""
+    epochs = 6
+    options = ["batch=12", "freq=4", "bn=1", f"epochs={epochs}"]
+    job = ElasticJob(tmp_path, *options, "sleep=0.3", rejoin_after=12)
+    try:
+        for generation, (signum, rank) in enumerate(
+                [(signal.SIGKILL, 2), (signal.SIGTERM, 0)], start=1):
+            assert job.wait_for_a_step(generation, job.steps_recorded())
+            time.sleep(0.4)
+            victim = sorted(job.workers())[rank]
+            os.kill(victim, signum)
+        code = job.finish()
+    finally:
+        job.finish()
+    out = job.output()
+    assert code == 0, out[-5000:]
+    resizes = [m.groups() for m in map(RESIZE.search, out.splitlines()) if m]
+    assert [(int(a), int(b)) for a, b, _ in resizes] == [(3, 2), (2, 1), (1, 3)], out
+    assert "killed by SIGKILL and the restarts are used up (0/0)" in resizes[0][2]
+    assert "exited with code 42 (preempted: it saved a backup)" in resizes[1][2]
+    assert "12s passed on fewer than 3 workers" in resizes[2][2]
+    # The preempted generation saved where it stopped: the next one goes on
+    # from the step after its last, with a backup every 4 steps otherwise.
+    runs = records_per_generation(job.ids)
+    positions = dict(resumed_positions(out))
+    assert positions[3] == runs[1][-1] + 1
+    check_the_run(tmp_path, job, options, epochs)
+
+
+def test_twenty_random_kill_shrink_grow_events(tmp_path):
+    """20 events in one job: random SIGKILLs and SIGTERMs of random workers
+    (each after a step of the generation it hits) and the launcher's own
+    grow-backs; seeded choices, unseeded timing."""
+    epochs = 30
+    options = ["batch=12", "freq=1", "bn=1", f"epochs={epochs}"]
+    rng = random.Random(22)
+    job = ElasticJob(tmp_path, *options, "sleep=0.25", rejoin_after=7)
+    fired = []
+    try:
+        while True:
+            events = len(RESIZE.findall(job.output()))
+            if events >= 20:
+                break
+            generation = job.generations()
+            if not job.wait_for_a_step(generation, job.steps_recorded()):
+                break  # the job ended
+            if job.size() == 1:  # the fewest: wait for the launcher to grow it
+                while job.generations() == generation and job.proc.poll() is None:
+                    time.sleep(0.1)
+                continue
+            time.sleep(rng.uniform(0, 0.6))
+            signum = rng.choice([signal.SIGKILL, signal.SIGTERM])
+            workers = job.workers()
+            if job.generations() != generation or len(workers) != job.size():
+                continue
+            os.kill(rng.choice(sorted(workers)), signum)
+            fired.append(signum)
+            while job.generations() == generation and job.proc.poll() is None:
+                time.sleep(0.1)
+        code = job.finish()
+    finally:
+        job.finish()
+    out = job.output()
+    assert code == 0, out[-5000:]
+    resizes = [m.groups() for m in map(RESIZE.search, out.splitlines()) if m]
+    assert len(resizes) >= 20, out[-5000:]
+    kinds = {"kill": 0, "preempt": 0, "grow": 0}
+    for before, after, reason in resizes:
+        kind = ("grow" if int(after) > int(before) else
+                "preempt" if "preempted" in reason else "kill")
+        kinds[kind] += 1
+    assert min(kinds.values()) >= 3, kinds
+    check_the_run(tmp_path, job, options, epochs)
