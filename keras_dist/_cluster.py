@@ -297,6 +297,9 @@ def check_port_free(address: str) -> None:
     if not any(info[4][0] in local or info[4][0].startswith("127.") for info in infos):
         return
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As TensorFlow's gRPC server binds: a port whose last connections
+        # wait out TIME_WAIT (a worker that just exited) is free for it.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", int(port)))
         except OSError as e:

@@ -35,6 +35,10 @@ examples:
       the job goes on from its BackupAndRestore backup and grows back later
   keras-dist launch --hosts n1:2222,n2:2222 --rank 0 train.py
       multi-host: run once per host with its --rank
+  keras-dist launch --hosts n1:2222,n2:2222,n3:2222 --rank 0 --min-workers 2 \
+      --rendezvous /shared/job/rendezvous train.py
+      elastic multi-host: run on every host; lost hosts are left out and
+      hosts that come back rejoin
   srun keras-dist launch train.py
       inside a Slurm allocation: the cluster comes from Slurm
   keras-dist launch --num-workers 2 --print-tf-config
@@ -89,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--rejoin-after", type=float, default=60.0, metavar="SECONDS",
                      help="with --min-workers: grow back to --num-workers "
                      "after this long on fewer (the group saves and exits first)")
+    run.add_argument("--rendezvous", metavar="DIR",
+                     help="multi-host with --min-workers: a directory every "
+                     "host sees, where the launchers agree on who runs")
     run.add_argument("--log-dir", help="write worker-<rank>.log files here "
                      "(default: prefixed lines on standard output)")
     run.add_argument("--grace-period", type=float, default=5.0,
@@ -217,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             private_network=args.private_network,
             min_workers=args.min_workers,
             rejoin_after=args.rejoin_after,
+            rendezvous=args.rendezvous,
         )
     except (ValueError, TypeError) as e:
         print(f"keras-dist launch: error: {e}", file=sys.stderr)

@@ -49,7 +49,9 @@ def test_signatures():
         "log_dir: 'str | None' = None, grace_period: 'float' = 5.0, "
         "module: 'bool' = False, port: 'int | None' = None, "
         "verbose: 'bool' = False, start_timeout: 'float | None' = 300.0, "
-        "hang_timeout: 'float | None' = 900.0, private_network: 'bool' = False) -> 'int'"
+        "hang_timeout: 'float | None' = 900.0, private_network: 'bool' = False, "
+        "min_workers: 'int | None' = None, rejoin_after: 'float' = 60.0, "
+        "rendezvous: 'str | None' = None) -> 'int'"
     )
     assert signature(keras_dist.launch_search) == (
         "(script: 'str', script_args: 'Sequence[str]' = (), *, "

@@ -195,11 +195,21 @@ def run_cli(args, capsys):
         (["--num-workers", "2", "-m", "no_such_module_here"], "no module of that name"),
         (["--num-workers", "2", "--port", "80", "JOB"], "`port`. Expected an integer from 1024"),
         (["--hosts", "a:1,b:2", "--rank", "0", "--port", "5000", "JOB"], "`port` applies to local workers"),
+        (["--num-workers", "2", "--min-workers", "3", "JOB"], "`min_workers`. Expected at most 2 (the workers of the job). Received: min_workers=3"),
+        (["--num-workers", "2", "--min-workers", "0", "JOB"], "`min_workers`. Expected a positive integer. Received: min_workers=0"),
+        (["--num-workers", "2", "--min-workers", "1", "--rejoin-after", "0", "JOB"], "`rejoin_after`. Expected a positive number of seconds. Received: rejoin_after=0.0"),
+        (["--num-workers", "2", "--rendezvous", "RZ", "JOB"], "`rendezvous` belongs to elastic multi-host jobs"),
+        (["--num-workers", "2", "--min-workers", "1", "--rendezvous", "RZ", "JOB"], "`rendezvous` applies to multi-host jobs"),
+        (["--hosts", "a:1,b:2", "--rank", "0", "--min-workers", "1", "JOB"], "`rendezvous` is required for an elastic multi-host job"),
+        (["--hosts", "a:1,b:2", "--rank", "0", "--min-workers", "1", "--rendezvous", "DONE", "JOB"], "holds a job that ended (`done`)"),
     ],
 )
 def test_argument_errors(tmp_path, capsys, args, message):
     job = script(tmp_path, "raise SystemExit('must not run')\n")
-    args = [job if a == "JOB" else a for a in args]
+    finished = tmp_path / "finished"
+    finished.mkdir()
+    (finished / "done").write_text("{}")
+    args = [job if a == "JOB" else str(finished) if a == "DONE" else a for a in args]
     status, err = run_cli(args, capsys)
     assert status == 2
     assert message in err

@@ -11,6 +11,7 @@ from keras_dist import _cluster
 from keras_dist import _liveness
 from keras_dist import _netns
 from keras_dist._checks import check_count, check_launch_arguments, check_seconds
+from keras_dist.launchers.rendezvous import ElasticHost
 from keras_dist.launchers.supervisor import (
     PORT_RETRIES,
     PREEMPTED_EXIT_CODE,
@@ -39,6 +40,7 @@ def launch(
     private_network: bool = False,
     min_workers: int | None = None,
     rejoin_after: float = 60.0,
+    rendezvous: str | None = None,
 ) -> int:
     """Runs `script` as the workers of a multi-worker job and supervises them.
 
@@ -113,7 +115,12 @@ def launch(
             continue on.
         rejoin_after: Positive number of seconds, default 60: how long a
             job with `min_workers` runs on fewer than `num_workers` workers
-            before it grows back.
+            before it grows back (multi-host: also how long the first
+            generation waits for every host).
+        rendezvous: Multi-host elastic jobs (`hosts`, `rank` and
+            `min_workers`): a directory on storage every host sees, where
+            the launchers agree on which hosts run (see
+            `keras_dist.launchers.rendezvous`).
 
     Returns:
         0 when every worker succeeded; otherwise the failed worker's exit
@@ -132,7 +139,7 @@ def launch(
     """
     configs_for = _plan(script, num_workers, hosts, rank, max_restarts, log_dir,
                         grace_period, module, port)
-    _check_elastic(min_workers, rejoin_after, num_workers, hosts)
+    _check_elastic(min_workers, rejoin_after, num_workers, hosts, rendezvous)
     timeouts = _liveness.Timeouts.checked(start_timeout, hang_timeout)
     if private_network and not _netns.inside():
         if num_workers is None:
@@ -157,6 +164,15 @@ def launch(
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
     command = python_command(script, script_args, module)
+    if rendezvous is not None:
+        host = ElasticHost(
+            command, _cluster.parse_hosts(hosts), rank, os.fspath(rendezvous),
+            min_workers=min_workers, rejoin_after=rejoin_after,
+            max_restarts=max_restarts, log_dir=log_dir, grace_period=grace_period,
+            verbose=verbose, timeouts=timeouts,
+        )
+        with forwarded_signals() as interrupt:
+            return host.run(interrupt)
     job = _Job(
         command,
         configs_for,
@@ -290,22 +306,43 @@ class _Job:
         return "retry"
 
 
-def _check_elastic(min_workers, rejoin_after, num_workers, hosts) -> None:
+def _check_elastic(min_workers, rejoin_after, num_workers, hosts, rendezvous) -> None:
     check_seconds("rejoin_after", rejoin_after)
     if min_workers is None:
+        if rendezvous is not None:
+            raise ValueError(
+                "Argument `rendezvous` belongs to elastic multi-host jobs. "
+                f"Received: rendezvous={rendezvous!r} without min_workers. Pass "
+                "min_workers=K (--min-workers K) too, or leave rendezvous out."
+            )
         return
     check_count("min_workers", min_workers)
-    if num_workers is None:
+    if num_workers is None and hosts is None:
         raise ValueError(
-            "Argument `min_workers` applies to local jobs (num_workers=N) only. "
-            f"Received: min_workers={min_workers!r}, hosts={hosts!r}. A "
-            "multi-host job resumes on another number of hosts when it is "
-            "started again with the new --hosts list (docs/elastic.md)."
+            "Argument `min_workers` needs num_workers=N (local) or hosts with "
+            f"rendezvous (multi-host). Received: min_workers={min_workers!r}. "
+            "Inside Slurm, resume on another allocation size by starting the "
+            "job again (docs/elastic.md)."
         )
-    if min_workers > num_workers:
+    if hosts is not None and rendezvous is None:
+        raise ValueError(
+            "Argument `rendezvous` is required for an elastic multi-host job: "
+            "a directory every host sees, where the launchers agree on who "
+            f"runs. Received: min_workers={min_workers!r}, hosts={hosts!r}, "
+            "rendezvous=None. Pass rendezvous=DIR (--rendezvous DIR) on every "
+            "host, e.g. next to the backups."
+        )
+    if num_workers is not None and rendezvous is not None:
+        raise ValueError(
+            "Argument `rendezvous` applies to multi-host jobs (hosts=...). "
+            f"Received: rendezvous={rendezvous!r}, num_workers={num_workers!r}. "
+            "A local elastic job needs only min_workers."
+        )
+    size = num_workers if num_workers is not None else len(_cluster.parse_hosts(hosts))
+    if min_workers > size:
         raise ValueError(
             "Invalid value for argument `min_workers`. Expected at most "
-            f"num_workers={num_workers}. Received: min_workers={min_workers!r}."
+            f"{size} (the workers of the job). Received: min_workers={min_workers!r}."
         )
 
 

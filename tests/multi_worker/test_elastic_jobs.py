@@ -1,6 +1,7 @@
 """Tier 2: `keras-dist launch --min-workers` loses and regains workers, and the
 run is still the one an uninterrupted 2-worker job gives."""
 
+import json
 import os
 import random
 import re
@@ -196,7 +197,7 @@ def test_twenty_random_kill_shrink_grow_events(tmp_path):
             events = len(RESIZE.findall(job.output()))
             if events >= 20:
                 break
-            generation = job.generations()
+            generation = max(job.generations(), 1)
             if not job.wait_for_a_step(generation, job.steps_recorded()):
                 break  # the job ended
             if job.size() == 1:  # the fewest: wait for the launcher to grow it
@@ -226,3 +227,92 @@ def test_twenty_random_kill_shrink_grow_events(tmp_path):
         kinds[kind] += 1
     assert min(kinds.values()) >= 3, kinds
     check_the_run(tmp_path, job, options, epochs)
+
+
+def start_host(tmp_path, hosts, rank, options, log):
+    return subprocess.Popen(
+        [sys.executable, "-m", "keras_dist.cli", "launch", "--hosts", ",".join(hosts),
+         "--rank", str(rank), "--min-workers", "1", "--rejoin-after", "10",
+         "--rendezvous", str(tmp_path / "rendezvous"), "--grace-period", "3",
+         SCRIPT, str(tmp_path / "job"), str(tmp_path / "backup"), *options],
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES=""),
+        stdout=log, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def children(pid):
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+def wait_until(condition, what, timeout=180):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_hosts_agree_through_a_rendezvous_directory(tmp_path):
+    """3 launchers (one per "host", all on 127.0.0.1) with --rendezvous: the
+    host of the chief is lost (launcher and worker SIGKILLed) -> the other
+    two go on, host 1's worker the chief; host 0 comes back -> the job grows
+    back to 3, host 0's worker the chief again; the run = 2 workers
+    uninterrupted."""
+    from keras_dist._cluster import loopback_ports
+
+    epochs = 16
+    options = ["batch=12", "freq=2", "bn=1", f"epochs={epochs}"]
+    hosts = [f"127.0.0.1:{p}" for p in loopback_ports(3)]
+    logs = [open(tmp_path / f"host{r}.log", "a") for r in range(3)]
+    launchers = [start_host(tmp_path, hosts, r, [*options, "sleep=0.3"], logs[r])
+                 for r in range(3)]
+    ids = tmp_path / "job" / "ids-rank0.txt"
+
+    def steps():
+        return sum(1 for line in open(ids) if line[:1].isdigit()) if ids.exists() else 0
+
+    def generations():
+        return sorted(p.name for p in (tmp_path / "rendezvous").glob("generation-*.json"))
+
+    try:
+        wait_until(lambda: steps() >= 2, "the first steps")
+        for pid in children(launchers[0].pid):
+            os.kill(pid, signal.SIGKILL)
+        launchers[0].kill()
+        launchers[0].wait()
+        wait_until(lambda: len(generations()) >= 2, "the survivors' generation")
+        before = steps()
+        wait_until(lambda: steps() > before, "a step on 2 hosts")
+        launchers[0] = start_host(tmp_path, hosts, 0, [*options, "sleep=0.3"], logs[0])
+        codes = [launcher.wait(timeout=300) for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                launcher.kill()
+        for log in logs:
+            log.close()
+    out = {r: (tmp_path / f"host{r}.log").read_text() for r in range(3)}
+    assert codes == [0, 0, 0], out
+    rz = tmp_path / "rendezvous"
+    made = [json.loads((rz / name).read_text()) for name in generations()]
+    assert [g["members"] for g in made][:3] == [[0, 1, 2], [1, 2], [0, 1, 2]], made
+    assert "lost" in made[1]["reason"] and "up again" in made[2]["reason"], made
+    # Who was chief: host 1's worker in generation 2, host 0's in 3.
+    assert f"generation 2: starting worker 0 of 2 ({hosts[1]}; chief {hosts[1]})" in out[1]
+    assert f"generation 3: starting worker 0 of 3 ({hosts[0]}; chief {hosts[0]})" in out[0]
+
+    class Done:
+        out_dir = tmp_path / "job"
+        size = staticmethod(lambda: 3)
+
+    Done.ids = ids
+    check_the_run(tmp_path, Done, options, epochs)

@@ -1,0 +1,345 @@
+"""Elastic multi-host jobs: one launcher per host, agreeing through a directory.
+
+`keras-dist launch --hosts h0:p,h1:p,h2:p --rank I --min-workers K
+--rendezvous DIR` runs on every host. DIR is on storage every host sees
+(the same kind of shared storage the job's backups need). Each launcher
+keeps a heartbeat file there (`alive-<rank>`, rewritten every
+`HEARTBEAT_SECONDS`); a host whose heartbeat is older than `STALE_SECONDS`
+is lost.
+
+The job runs in generations. A generation is a file `generation-<g>.json`
+naming its members (host ranks, ascending) and why it was made; it is
+created with an exclusive link, so each number is written once, by
+whichever launcher gets there first. A member starts its worker with the
+cluster of the members' `--hosts` addresses, in rank order: the lowest
+surviving rank is task 0, the chief, which writes the backups. A launcher
+that is not a member (a host that came back) waits for a generation that
+includes it.
+
+The leader (the lowest-ranked live launcher) makes the next generation when:
+- none exists yet: every host is up, or `rejoin_after` passed with at least
+  K up;
+- a member's worker failed: after a short wait (so that the failures its
+  failure caused, and lost heartbeats, are in), the live hosts; when no
+  host was lost and the worker was not preempted, this counts as a restart,
+  and once the restarts are used up the host whose worker failed first is
+  left out;
+- a member's host was lost: the live hosts;
+- a live host is not a member and the generation is `rejoin_after` old:
+  every live host (the workers save and exit 42, the job grows).
+Members stop their worker (SIGTERM: it saves at its next step) when a newer
+generation appears, then start their part of it. With fewer than K live
+hosts the job fails (`failed` file); when a worker finishes its training
+the job is done (`done` file) and every launcher exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+
+from keras_dist import _cluster
+from keras_dist.launchers.supervisor import (
+    PREEMPTED_EXIT_CODE,
+    RESIZE_SAVE_SECONDS,
+    Group,
+    await_exit,
+    describe_exit,
+    exit_status,
+    say,
+)
+
+HEARTBEAT_SECONDS = 0.5
+STALE_SECONDS = 5.0
+# After a worker fails: how long the leader waits for the failures it
+# caused (and for a lost host's heartbeat to go stale) before regrouping.
+SETTLE_SECONDS = STALE_SECONDS + 1.0
+
+
+class Rendezvous:
+    """The files of one job's rendezvous directory."""
+
+    def __init__(self, directory: str, rank: int, num_hosts: int):
+        self.directory = directory
+        self.rank = rank
+        self.num_hosts = num_hosts
+        for ended in ("done", "failed"):
+            if os.path.exists(self._path(ended)):
+                raise ValueError(
+                    f"Invalid value for argument `rendezvous`: {directory!r} "
+                    f"holds a job that ended (`{ended}`). Give each job its own "
+                    "rendezvous directory (or remove this one)."
+                )
+        os.makedirs(directory, exist_ok=True)
+        self._stop = threading.Event()
+        self._beating = None
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def _write_once(self, name: str, content: dict) -> bool:
+        """Creates `name` with `content` unless it exists; True if created."""
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(content, f)
+        try:
+            os.link(tmp, self._path(name))
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+
+    def read(self, name: str) -> dict | None:
+        try:
+            with open(self._path(name)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    # -- heartbeats --------------------------------------------------------
+
+    def start_beating(self) -> None:
+        self._beat()
+        self._beating = threading.Thread(target=self._beat_forever, daemon=True)
+        self._beating.start()
+
+    def _beat(self) -> None:
+        path = self._path(f"alive-{self.rank}")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+
+    def _beat_forever(self) -> None:
+        while not self._stop.wait(HEARTBEAT_SECONDS):
+            self._beat()
+
+    def stop_beating(self) -> None:
+        """Leaves the job: the others see this host as lost at once."""
+        self._stop.set()
+        if self._beating is not None:
+            self._beating.join()
+        try:
+            os.unlink(self._path(f"alive-{self.rank}"))
+        except FileNotFoundError:
+            pass
+
+    def alive(self) -> list[int]:
+        now = time.time()
+        ranks = []
+        for rank in range(self.num_hosts):
+            try:
+                if now - os.path.getmtime(self._path(f"alive-{rank}")) < STALE_SECONDS:
+                    ranks.append(rank)
+            except FileNotFoundError:
+                pass
+        return ranks
+
+    # -- generations -------------------------------------------------------
+
+    def latest(self) -> tuple[int, dict | None]:
+        numbers = [
+            int(name.split("-")[1].split(".")[0]) for name in os.listdir(self.directory)
+            if name.startswith("generation-") and name.endswith(".json")
+        ]
+        if not numbers:
+            return 0, None
+        number = max(numbers)
+        return number, self.read(f"generation-{number}.json")
+
+    def propose(self, number: int, members: list[int], reason: str, restarts: int) -> bool:
+        made = self._write_once(f"generation-{number}.json", {
+            "members": members, "reason": reason, "restarts": restarts,
+            "time": time.time(),
+        })
+        if made:
+            say(f"generation {number}: hosts {members} because {reason}")
+        return made
+
+    def record_exit(self, number: int, code: int) -> None:
+        self._write_once(f"exit-{number}-{self.rank}.json",
+                         {"code": code, "time": time.time()})
+
+    def exits(self, number: int) -> dict[int, dict]:
+        found = {}
+        for rank in range(self.num_hosts):
+            record = self.read(f"exit-{number}-{rank}.json")
+            if record is not None:
+                found[rank] = record
+        return found
+
+    def finish(self, outcome: str, content: dict) -> None:
+        self._write_once(outcome, content)
+
+
+class ElasticHost:
+    """This host's launcher in an elastic multi-host job."""
+
+    def __init__(self, command, hosts, rank, rendezvous, *, min_workers, rejoin_after,
+                 max_restarts, log_dir, grace_period, verbose, timeouts):
+        self.command = command
+        self.hosts = hosts
+        self.rank = rank
+        self.rz = Rendezvous(rendezvous, rank, len(hosts))
+        self.min_workers = min_workers
+        self.rejoin_after = rejoin_after
+        self.max_restarts = max_restarts
+        self.log_dir = log_dir
+        self.grace_period = grace_period
+        self.verbose = verbose
+        self.timeouts = timeouts
+        self.started = time.time()
+        self.group = None  # this host's worker, when one runs
+        self.generation = 0  # the generation of `group` (or last run)
+
+    def run(self, interrupt) -> int:
+        self.rz.start_beating()
+        try:
+            while True:
+                if interrupt:
+                    return self._interrupted(interrupt[0])
+                status = self._step()
+                if status is not None:
+                    return status
+                time.sleep(0.2)
+        finally:
+            if self.group is not None:
+                self.group.stop()
+            self.rz.stop_beating()
+
+    def _interrupted(self, signum: int) -> int:
+        say(f"received {signal.Signals(signum).name}: forwarding it to the worker "
+            f"(grace period {self.grace_period:g}s); this host leaves the job")
+        if self.group is not None:
+            self.group.stop(signum)
+            self.group = None
+        return 128 + signum
+
+    def _step(self) -> int | None:
+        done = self.rz.read("done")
+        failed = self.rz.read("failed")
+        number, generation = self.rz.latest()
+        if self.group is not None:
+            status = self._supervise(number, done)
+            if status is not None:
+                return status
+        elif done is not None:
+            say(f"job finished (generation {done['generation']})")
+            return 0
+        if failed is not None and self.group is None:
+            say(f"job failed: {failed['reason']}")
+            return failed["code"]
+        if (self.group is None and generation is not None and number > self.generation
+                and self.rank in generation["members"]):
+            self._start(number, generation["members"])
+        if self.rz.alive()[:1] == [self.rank]:
+            self._lead(number, generation)
+        return None
+
+    # -- this host's worker ------------------------------------------------
+
+    def _start(self, number: int, members: list[int]) -> None:
+        workers = [self.hosts[m] for m in members]
+        index = members.index(self.rank)
+        config = _cluster.tf_config(workers, index)
+        say(f"generation {number}: starting worker {index} of {len(members)} "
+            f"({workers[index]}; chief {workers[0]}): python " + " ".join(self.command))
+        self.generation = number
+        self.group = Group(self.command, [(f"worker {index}", {"TF_CONFIG": config})],
+                           self.log_dir, self.grace_period, self.verbose,
+                           timeouts=self.timeouts)
+
+    def _supervise(self, number: int, done) -> int | None:
+        proc = self.group.workers[0].proc
+        code = proc.poll()
+        if code is None and number > self.generation:
+            say(f"generation {number} replaces {self.generation}: asking the worker "
+                "to save and exit")
+            self.group.signal_all(signal.SIGTERM)
+            await_exit(self.group.workers, max(self.grace_period, RESIZE_SAVE_SECONDS))
+            self.group.stop()
+            self.group = None
+            return None
+        if code is None:
+            hung = self.group.unresponsive()
+            if hung is None:
+                return None
+            self.group.report_hang(*hung)
+            self.group.stop()
+            code = 124
+        self.group.workers[0].reader.join(timeout=5)
+        self.group.stop()
+        self.group = None
+        if code == 0:
+            self.rz.finish("done", {"generation": self.generation, "rank": self.rank})
+            say(f"job finished: this host's worker exited with code 0 "
+                f"after {time.time() - self.started:.1f}s")
+            return 0
+        if number > self.generation or done is not None:
+            return None  # stopped because of a newer generation, or the end
+        say(f"worker {describe_exit(code)} (generation {self.generation})")
+        self.rz.record_exit(self.generation, code)
+        return None
+
+    # -- leading -----------------------------------------------------------
+
+    def _lead(self, number: int, generation: dict | None) -> None:
+        alive = self.rz.alive()
+        if generation is None:
+            waited = time.time() - self.started
+            if len(alive) == len(self.hosts) or (
+                    waited >= self.rejoin_after and len(alive) >= self.min_workers):
+                self._propose(1, alive, f"{len(alive)} of {len(self.hosts)} hosts are up",
+                              0)
+            return
+        members = generation["members"]
+        restarts = generation["restarts"]
+        exits = self.rz.exits(number)
+        lost = [m for m in members if m not in alive]
+        failed = {r: e for r, e in exits.items() if e["code"] != 0}
+        if failed:
+            first = min(failed, key=lambda r: failed[r]["time"])
+            if time.time() - failed[first]["time"] < SETTLE_SECONDS:
+                return
+            record = failed[first]
+            reason = f"host {first}'s worker {describe_exit(record['code'])}"
+            if lost:
+                members = alive
+                reason = (f"host(s) {lost} lost (no heartbeat for {STALE_SECONDS:g}s; "
+                          f"{reason})")
+            elif record["code"] == PREEMPTED_EXIT_CODE:
+                # A preempted host's launcher leaves after its worker saved;
+                # the others go on, not counting a restart.
+                reason += " (preempted: it saved a backup)"
+                members = alive
+            elif restarts < self.max_restarts:
+                restarts += 1
+                reason += f" (restart {restarts}/{self.max_restarts})"
+                members = alive
+            else:
+                members = [m for m in alive if m != first]
+                reason += f" and the restarts are used up ({restarts}/{self.max_restarts})"
+            self._propose(number + 1, members, reason, restarts)
+        elif lost:
+            self._propose(number + 1, alive, f"host(s) {lost} lost (no heartbeat for "
+                          f"{STALE_SECONDS:g}s)", restarts)
+        elif (set(alive) - set(members)
+              and time.time() - generation["time"] >= self.rejoin_after):
+            back = sorted(set(alive) - set(members))
+            self._propose(number + 1, alive, f"host(s) {back} are up again "
+                          f"({self.rejoin_after:g}s after generation {number} began)",
+                          restarts)
+
+    def _propose(self, number: int, members: list[int], reason: str, restarts: int):
+        if len(members) < self.min_workers:
+            reason = (f"{reason}: {len(members)} host(s) left, fewer than "
+                      f"min_workers={self.min_workers}")
+            code = next((e["code"] for e in self.rz.exits(number - 1).values()
+                         if e["code"] != 0), 1)
+            self.rz.finish("failed", {"reason": reason, "code": exit_status(code)})
+            return
+        self.rz.propose(number, members, reason, restarts)
