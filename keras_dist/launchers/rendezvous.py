@@ -68,7 +68,7 @@ class Rendezvous:
         self.rank = rank
         self.num_hosts = num_hosts
         for ended in ("done", "failed"):
-            if os.path.exists(self._path(ended)):
+            if os.path.exists(self._file(ended)):
                 raise ValueError(
                     f"Invalid value for argument `rendezvous`: {directory!r} "
                     f"holds a job that ended (`{ended}`). Give each job its own "
@@ -78,7 +78,7 @@ class Rendezvous:
         self._stop = threading.Event()
         self._beating = None
 
-    def _path(self, name: str) -> str:
+    def _file(self, name: str) -> str:
         return os.path.join(self.directory, name)
 
     def _write_once(self, name: str, content: dict) -> bool:
@@ -87,7 +87,7 @@ class Rendezvous:
         with os.fdopen(fd, "w") as f:
             json.dump(content, f)
         try:
-            os.link(tmp, self._path(name))
+            os.link(tmp, self._file(name))
             return True
         except FileExistsError:
             return False
@@ -96,7 +96,7 @@ class Rendezvous:
 
     def read(self, name: str) -> dict | None:
         try:
-            with open(self._path(name)) as f:
+            with open(self._file(name)) as f:
                 return json.load(f)
         except (OSError, ValueError):
             return None
@@ -109,7 +109,7 @@ class Rendezvous:
         self._beating.start()
 
     def _beat(self) -> None:
-        path = self._path(f"alive-{self.rank}")
+        path = self._file(f"alive-{self.rank}")
         with open(path + ".tmp", "w") as f:
             f.write(str(os.getpid()))
         os.replace(path + ".tmp", path)
@@ -124,7 +124,7 @@ class Rendezvous:
         if self._beating is not None:
             self._beating.join()
         try:
-            os.unlink(self._path(f"alive-{self.rank}"))
+            os.unlink(self._file(f"alive-{self.rank}"))
         except FileNotFoundError:
             pass
 
@@ -133,7 +133,7 @@ class Rendezvous:
         ranks = []
         for rank in range(self.num_hosts):
             try:
-                if now - os.path.getmtime(self._path(f"alive-{rank}")) < STALE_SECONDS:
+                if now - os.path.getmtime(self._file(f"alive-{rank}")) < STALE_SECONDS:
                     ranks.append(rank)
             except FileNotFoundError:
                 pass
