@@ -195,6 +195,8 @@ class ElasticHost:
         self.started = time.time()
         self.group = None  # this host's worker, when one runs
         self.generation = 0  # the generation of `group` (or last run)
+        self._lead_generation = 0  # what `_lost_since` refers to
+        self._lost_since = None  # when the leader first saw a member lost
 
     def run(self, interrupt) -> int:
         self.rz.start_beating()
@@ -216,6 +218,8 @@ class ElasticHost:
             f"(grace period {self.grace_period:g}s); this host leaves the job")
         if self.group is not None:
             self.group.stop(signum)
+            # A preempted worker saved and exited 42: say so to the others.
+            self.rz.record_exit(self.generation, self.group.workers[0].proc.returncode)
             self.group = None
         return 128 + signum
 
@@ -236,7 +240,7 @@ class ElasticHost:
         if (self.group is None and generation is not None and number > self.generation
                 and self.rank in generation["members"]):
             self._start(number, generation["members"])
-        if self.rz.alive()[:1] == [self.rank]:
+        if done is None and failed is None and self.rz.alive()[:1] == [self.rank]:
             self._lead(number, generation)
         return None
 
@@ -298,6 +302,8 @@ class ElasticHost:
             return
         members = generation["members"]
         restarts = generation["restarts"]
+        if number != self._lead_generation:
+            self._lead_generation, self._lost_since = number, None
         exits = self.rz.exits(number)
         lost = [m for m in members if m not in alive]
         failed = {r: e for r, e in exits.items() if e["code"] != 0}
@@ -307,7 +313,11 @@ class ElasticHost:
                 return
             record = failed[first]
             reason = f"host {first}'s worker {describe_exit(record['code'])}"
-            if lost:
+            if lost and record["code"] == PREEMPTED_EXIT_CODE:
+                members = alive
+                reason = (f"host(s) {lost} left, preempted (the workers saved a "
+                          "backup and exited 42)")
+            elif lost:
                 members = alive
                 reason = (f"host(s) {lost} lost (no heartbeat for {STALE_SECONDS:g}s; "
                           f"{reason})")
@@ -325,8 +335,12 @@ class ElasticHost:
                 reason += f" and the restarts are used up ({restarts}/{self.max_restarts})"
             self._propose(number + 1, members, reason, restarts)
         elif lost:
-            self._propose(number + 1, alive, f"host(s) {lost} lost (no heartbeat for "
-                          f"{STALE_SECONDS:g}s)", restarts)
+            # Give the exits a lost host caused (or its preemption record)
+            # time to come in first.
+            self._lost_since = self._lost_since or time.time()
+            if time.time() - self._lost_since >= SETTLE_SECONDS:
+                self._propose(number + 1, alive, f"host(s) {lost} lost (no heartbeat "
+                              f"for {STALE_SECONDS:g}s)", restarts)
         elif (set(alive) - set(members)
               and time.time() - generation["time"] >= self.rejoin_after):
             back = sorted(set(alive) - set(members))

@@ -155,9 +155,9 @@ def test_a_job_shrinks_on_a_kill_and_a_preemption_then_grows_back(tmp_path):
     """3 workers; SIGKILL one (no restarts left): 2 workers; SIGTERM one
     (preemption: it saves, exits 42): 1 worker, not a step lost; after
     --rejoin-after the launcher grows the job back to 3."""
-    epochs = 6
+    epochs = 12
     options = ["batch=12", "freq=4", "bn=1", f"epochs={epochs}"]
-    job = ElasticJob(tmp_path, *options, "sleep=0.3", rejoin_after=12)
+    job = ElasticJob(tmp_path, *options, "sleep=0.3", rejoin_after=8)
     try:
         for generation, (signum, rank) in enumerate(
                 [(signal.SIGKILL, 2), (signal.SIGTERM, 0)], start=1):
@@ -174,7 +174,7 @@ def test_a_job_shrinks_on_a_kill_and_a_preemption_then_grows_back(tmp_path):
     assert [(int(a), int(b)) for a, b, _ in resizes] == [(3, 2), (2, 1), (1, 3)], out
     assert "killed by SIGKILL and the restarts are used up (0/0)" in resizes[0][2]
     assert "exited with code 42 (preempted: it saved a backup)" in resizes[1][2]
-    assert "12s passed on fewer than 3 workers" in resizes[2][2]
+    assert "8s passed on fewer than 3 workers" in resizes[2][2]
     # The preempted generation saved where it stopped: the next one goes on
     # from the step after its last, with a backup every 4 steps otherwise.
     runs = records_per_generation(job.ids)
@@ -265,11 +265,12 @@ def test_hosts_agree_through_a_rendezvous_directory(tmp_path):
     """3 launchers (one per "host", all on 127.0.0.1) with --rendezvous: the
     host of the chief is lost (launcher and worker SIGKILLed) -> the other
     two go on, host 1's worker the chief; host 0 comes back -> the job grows
-    back to 3, host 0's worker the chief again; the run = 2 workers
-    uninterrupted."""
+    back to 3, host 0's worker the chief again; host 2 is preempted (SIGTERM
+    to its launcher: its worker saves, exits 42) -> hosts 0 and 1 finish,
+    not a step lost; the run = 2 workers uninterrupted."""
     from keras_dist._cluster import loopback_ports
 
-    epochs = 16
+    epochs = 20
     options = ["batch=12", "freq=2", "bn=1", f"epochs={epochs}"]
     hosts = [f"127.0.0.1:{p}" for p in loopback_ports(3)]
     logs = [open(tmp_path / f"host{r}.log", "a") for r in range(3)]
@@ -293,6 +294,10 @@ def test_hosts_agree_through_a_rendezvous_directory(tmp_path):
         before = steps()
         wait_until(lambda: steps() > before, "a step on 2 hosts")
         launchers[0] = start_host(tmp_path, hosts, 0, [*options, "sleep=0.3"], logs[0])
+        wait_until(lambda: len(generations()) >= 3, "the grown generation")
+        before = steps()
+        wait_until(lambda: steps() > before + 1, "steps on 3 hosts")
+        launchers[2].send_signal(signal.SIGTERM)  # host 2 is preempted
         codes = [launcher.wait(timeout=300) for launcher in launchers]
     finally:
         for launcher in launchers:
@@ -301,18 +306,24 @@ def test_hosts_agree_through_a_rendezvous_directory(tmp_path):
         for log in logs:
             log.close()
     out = {r: (tmp_path / f"host{r}.log").read_text() for r in range(3)}
-    assert codes == [0, 0, 0], out
+    assert codes == [0, 0, 128 + signal.SIGTERM], out
     rz = tmp_path / "rendezvous"
     made = [json.loads((rz / name).read_text()) for name in generations()]
-    assert [g["members"] for g in made][:3] == [[0, 1, 2], [1, 2], [0, 1, 2]], made
+    assert [g["members"] for g in made] == [[0, 1, 2], [1, 2], [0, 1, 2], [0, 1]], made
     assert "lost" in made[1]["reason"] and "up again" in made[2]["reason"], made
+    assert "[2] left, preempted (the workers saved a backup and exited 42)" in made[3]["reason"]
+    # The preemption lost no step: generation 4 goes on after generation 3's last.
+    runs = records_per_generation(ids)
+    assert len(runs) == 4, runs
+    restored = [m for m in map(RESTORED.search, out[0].splitlines()) if m][-1]
+    assert (int(restored.group(1)) - 1) * STEPS + int(restored.group(2)) == runs[2][-1] + 1
     # Who was chief: host 1's worker in generation 2, host 0's in 3.
     assert f"generation 2: starting worker 0 of 2 ({hosts[1]}; chief {hosts[1]})" in out[1]
     assert f"generation 3: starting worker 0 of 3 ({hosts[0]}; chief {hosts[0]})" in out[0]
 
     class Done:
         out_dir = tmp_path / "job"
-        size = staticmethod(lambda: 3)
+        size = staticmethod(lambda: 2)
 
     Done.ids = ids
     check_the_run(tmp_path, Done, options, epochs)
