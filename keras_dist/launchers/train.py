@@ -78,7 +78,10 @@ def launch(
     group to save and exit (SIGTERM) and starts N workers again. The
     backup resumes on any number of workers at the same global batch, so
     the run is the one an uninterrupted job gives (see docs/elastic.md).
-    Every change of size is logged with its reason.
+    Every change of size is logged with its reason. On several hosts
+    (`hosts`, `rank`, `min_workers` and `rendezvous` on every host) the
+    launchers agree through the rendezvous directory: lost hosts are left
+    out, hosts that come back rejoin (see `keras_dist.launchers.rendezvous`).
 
     Args:
         script: Path of the Python script every worker runs.
@@ -110,9 +113,9 @@ def launch(
             private loopback. TensorFlow's servers listen on every interface
             (it has no setting for that); in the namespace nothing outside
             can reach them, and the workers cannot reach the network.
-        min_workers: Local mode only: positive integer <= `num_workers`,
-            default None (no resizing): the fewest workers the job may
-            continue on.
+        min_workers: Positive integer <= the job's workers, default None
+            (no resizing): the fewest workers the job may continue on.
+            Local mode, or multi-host mode with `rendezvous`.
         rejoin_after: Positive number of seconds, default 60: how long a
             job with `min_workers` runs on fewer than `num_workers` workers
             before it grows back (multi-host: also how long the first
