@@ -151,10 +151,13 @@ class Rendezvous:
         number = max(numbers)
         return number, self.read(f"generation-{number}.json")
 
-    def propose(self, number: int, members: list[int], reason: str, restarts: int) -> bool:
+    def propose(self, number: int, members: list[int], reason: str, restarts: int,
+                save_first: bool = False) -> bool:
+        """`save_first`: the running workers are healthy; they get time to
+        save at their next step (a grow) instead of a grace period."""
         made = self._write_once(f"generation-{number}.json", {
             "members": members, "reason": reason, "restarts": restarts,
-            "time": time.time(),
+            "save_first": save_first, "time": time.time(),
         })
         if made:
             say(f"generation {number}: hosts {members} because {reason}")
@@ -228,7 +231,7 @@ class ElasticHost:
         failed = self.rz.read("failed")
         number, generation = self.rz.latest()
         if self.group is not None:
-            status = self._supervise(number, done)
+            status = self._supervise(number, generation, done)
             if status is not None:
                 return status
         elif done is not None:
@@ -257,14 +260,17 @@ class ElasticHost:
                            self.log_dir, self.grace_period, self.verbose,
                            timeouts=self.timeouts)
 
-    def _supervise(self, number: int, done) -> int | None:
+    def _supervise(self, number: int, generation: dict, done) -> int | None:
         proc = self.group.workers[0].proc
         code = proc.poll()
         if code is None and number > self.generation:
-            say(f"generation {number} replaces {self.generation}: asking the worker "
-                "to save and exit")
+            save = generation.get("save_first", False)
+            say(f"generation {number} replaces {self.generation}: "
+                + ("asking the worker to save and exit" if save else "stopping the worker"))
             self.group.signal_all(signal.SIGTERM)
-            await_exit(self.group.workers, max(self.grace_period, RESIZE_SAVE_SECONDS))
+            await_exit(self.group.workers,
+                       max(self.grace_period, RESIZE_SAVE_SECONDS) if save
+                       else self.grace_period)
             self.group.stop()
             self.group = None
             return None
@@ -299,6 +305,9 @@ class ElasticHost:
                     waited >= self.rejoin_after and len(alive) >= self.min_workers):
                 self._propose(1, alive, f"{len(alive)} of {len(self.hosts)} hosts are up",
                               0)
+            elif self.timeouts.start is not None and waited >= self.timeouts.start:
+                self._propose(1, alive, f"{len(alive)} of {len(self.hosts)} hosts are "
+                              f"up after {self.timeouts.start:g}s (start_timeout)", 0)
             return
         members = generation["members"]
         restarts = generation["restarts"]
@@ -346,9 +355,10 @@ class ElasticHost:
             back = sorted(set(alive) - set(members))
             self._propose(number + 1, alive, f"host(s) {back} are up again "
                           f"({self.rejoin_after:g}s after generation {number} began)",
-                          restarts)
+                          restarts, save_first=True)
 
-    def _propose(self, number: int, members: list[int], reason: str, restarts: int):
+    def _propose(self, number: int, members: list[int], reason: str, restarts: int,
+                 save_first: bool = False):
         if len(members) < self.min_workers:
             reason = (f"{reason}: {len(members)} host(s) left, fewer than "
                       f"min_workers={self.min_workers}")
@@ -356,4 +366,4 @@ class ElasticHost:
                          if e["code"] != 0), 1)
             self.rz.finish("failed", {"reason": reason, "code": exit_status(code)})
             return
-        self.rz.propose(number, members, reason, restarts)
+        self.rz.propose(number, members, reason, restarts, save_first)

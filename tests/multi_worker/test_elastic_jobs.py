@@ -90,6 +90,12 @@ class ElasticJob:
             time.sleep(0.05)
         raise AssertionError("no step within the timeout:\n" + self.output()[-5000:])
 
+    def stop(self):
+        """Interrupts the launcher (it stops its workers) after a failed check."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        self.finish(timeout=60)
+
     def finish(self, timeout=300) -> int:
         try:
             code = self.proc.wait(timeout=timeout)
@@ -98,6 +104,14 @@ class ElasticJob:
                 self.proc.kill()
         self.reader.join(timeout=10)
         return code
+
+
+def succeeded(job):
+    """Waits for the job; its output and its resizes (before, after, reason)."""
+    code = job.finish()
+    out = job.output()
+    assert code == 0, out[-5000:]
+    return out, [m.groups() for m in map(RESIZE.search, out.splitlines()) if m]
 
 
 def last_record_per_step(ids_file):
@@ -165,12 +179,10 @@ def test_a_job_shrinks_on_a_kill_and_a_preemption_then_grows_back(tmp_path):
             time.sleep(0.4)
             victim = sorted(job.workers())[rank]
             os.kill(victim, signum)
-        code = job.finish()
-    finally:
-        job.finish()
-    out = job.output()
-    assert code == 0, out[-5000:]
-    resizes = [m.groups() for m in map(RESIZE.search, out.splitlines()) if m]
+    except BaseException:
+        job.stop()
+        raise
+    out, resizes = succeeded(job)
     assert [(int(a), int(b)) for a, b, _ in resizes] == [(3, 2), (2, 1), (1, 3)], out
     assert "killed by SIGKILL and the restarts are used up (0/0)" in resizes[0][2]
     assert "exited with code 42 (preempted: it saved a backup)" in resizes[1][2]
@@ -213,12 +225,10 @@ def test_twenty_random_kill_shrink_grow_events(tmp_path):
             fired.append(signum)
             while job.generations() == generation and job.proc.poll() is None:
                 time.sleep(0.1)
-        code = job.finish()
-    finally:
-        job.finish()
-    out = job.output()
-    assert code == 0, out[-5000:]
-    resizes = [m.groups() for m in map(RESIZE.search, out.splitlines()) if m]
+    except BaseException:
+        job.stop()
+        raise
+    out, resizes = succeeded(job)
     assert len(resizes) >= 20, out[-5000:]
     kinds = {"kill": 0, "preempt": 0, "grow": 0}
     for before, after, reason in resizes:
