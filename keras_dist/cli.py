@@ -92,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
                      "from the last backup with one worker fewer, down to K")
     run.add_argument("--rejoin-after", type=float, default=60.0, metavar="SECONDS",
                      help="with --min-workers: grow back to --num-workers "
-                     "after this long on fewer (the group saves and exits first)")
+                     "after training this long on fewer (the group saves and "
+                     "exits first)")
     run.add_argument("--rendezvous", metavar="DIR",
                      help="multi-host with --min-workers: a directory every "
                      "host sees, where the launchers agree on who runs")

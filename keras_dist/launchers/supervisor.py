@@ -185,6 +185,7 @@ class Group:
         self.started = time.monotonic()
         self.heartbeats = tempfile.mkdtemp(prefix="keras_dist_heartbeat_")
         self._next_check = 0.0
+        self._training_since = None  # when every worker had made a step
         for label, variables in processes:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             env[_cluster.LAUNCHED_ENV] = "1"
@@ -299,11 +300,12 @@ class Group:
                 )
         return ""
 
-    def wait(self, interrupt: list[int], resize_at: float | None = None) -> Outcome:
+    def wait(self, interrupt: list[int], resize_after: float | None = None) -> Outcome:
         """Supervises the group until it ends; one handler per event.
 
-        `resize_at`: a `time.monotonic()` time at which the group is asked
-        to save and exit (SIGTERM), so that the job can go on at another size.
+        `resize_after`: seconds after every worker's first step at which the
+        group is asked to save and exit (SIGTERM), so that the job can go on
+        at another size.
         """
         while True:
             outcome = (
@@ -311,7 +313,7 @@ class Group:
                 or self._on_failure()
                 or self._on_success()
                 or self._on_hang()
-                or self._on_resize_time(resize_at)
+                or self._on_resize_time(resize_after)
             )
             if outcome is not None:
                 return outcome
@@ -371,8 +373,17 @@ class Group:
         self.stop()
         return Outcome(HANG_EXIT_CODE, reason)
 
-    def _on_resize_time(self, resize_at: float | None) -> Outcome | None:
-        if resize_at is None or time.monotonic() < resize_at:
+    def _on_resize_time(self, resize_after: float | None) -> Outcome | None:
+        if resize_after is None:
+            return None
+        if self._training_since is None:
+            # The heartbeats (read by the hang checks, about once a second)
+            # count the steps: the clock starts when every worker trains.
+            if all(w.watch is not None and (w.watch.last or {}).get("steps", 0) > 0
+                   for w in self.workers):
+                self._training_since = time.monotonic()
+            return None
+        if time.monotonic() - self._training_since < resize_after:
             return None
         # BackupAndRestore saves at the next step boundary and exits 42 on
         # every worker; a worker still starting up has nothing to save.
@@ -384,7 +395,13 @@ class Group:
             for worker in self.workers:
                 worker.reader.join(timeout=5)
             return Outcome(0)
+        failed = [(w, c) for w, c in zip(self.workers, codes) if c != PREEMPTED_EXIT_CODE]
+        if not failed:
+            return Outcome(PREEMPTED_EXIT_CODE, "saved", stopped_to_resize=True)
+        worker, code = failed[0]
         return Outcome(
-            exit_status(next(c for c in codes if c != 0) if None not in codes else -9),
-            "stopped to resize", stopped_to_resize=True,
+            exit_status(-9 if code is None else code),
+            f"{worker.label} " + ("did not exit in time" if code is None
+                                  else describe_exit(code)),
+            stopped_to_resize=True,
         )

@@ -74,8 +74,9 @@ def launch(
     workers instead of failing. When a worker fails and the restarts are
     used up, or a worker is preempted (exit 42: it saved), the job goes on
     from the last backup with one worker fewer, down to K; after
-    `rejoin_after` seconds on fewer than N workers, the launcher asks the
-    group to save and exit (SIGTERM) and starts N workers again. The
+    `rejoin_after` seconds of training on fewer than N workers (counted
+    from the group's first step), the launcher asks the group to save and
+    exit (SIGTERM) and starts N workers again. The
     backup resumes on any number of workers at the same global batch, so
     the run is the one an uninterrupted job gives (see docs/elastic.md).
     Every change of size is logged with its reason. On several hosts
@@ -117,8 +118,9 @@ def launch(
             (no resizing): the fewest workers the job may continue on.
             Local mode, or multi-host mode with `rendezvous`.
         rejoin_after: Positive number of seconds, default 60: how long a
-            job with `min_workers` runs on fewer than `num_workers` workers
-            before it grows back (multi-host: also how long the first
+            job with `min_workers` trains on fewer than `num_workers`
+            workers before it grows back (multi-host: how old a generation
+            is before a host that came back joins, and how long the first
             generation waits for every host).
         rendezvous: Multi-host elastic jobs (`hosts`, `rank` and
             `min_workers`): a directory on storage every host sees, where
@@ -221,11 +223,11 @@ class _Job:
     def run(self, interrupt) -> int:
         while True:
             configs = self.configs_for(self.size)
-            resize_at = (
-                time.monotonic() + self.rejoin_after
+            resize_after = (
+                self.rejoin_after
                 if self.min_workers is not None and self.size < self.full else None
             )
-            outcome = self._start(configs).wait(interrupt, resize_at)
+            outcome = self._start(configs).wait(interrupt, resize_after)
             for handler in (self._on_port_conflict, self._on_success, self._on_regrow,
                             self._on_failure):
                 status = handler(outcome, configs)  # an exit status, "retry" or None
@@ -277,8 +279,12 @@ class _Job:
         if not outcome.stopped_to_resize:
             return None
         return self._resize(
-            self.full, f"{self.rejoin_after:g}s passed on fewer than "
-            f"{self.full} workers (the group saved and exited to grow)"
+            self.full, f"it trained {self.rejoin_after:g}s on fewer than "
+            f"{self.full} workers (" + (
+                "the group saved and exited to grow)"
+                if outcome.code == PREEMPTED_EXIT_CODE else
+                f"stopped to grow: {outcome.reason}; it goes on from the last backup)"
+            )
         )
 
     def _on_failure(self, outcome, configs):

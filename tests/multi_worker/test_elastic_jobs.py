@@ -169,7 +169,7 @@ def test_a_job_shrinks_on_a_kill_and_a_preemption_then_grows_back(tmp_path):
     """3 workers; SIGKILL one (no restarts left): 2 workers; SIGTERM one
     (preemption: it saves, exits 42): 1 worker, not a step lost; after
     --rejoin-after the launcher grows the job back to 3."""
-    epochs = 12
+    epochs = 16
     options = ["batch=12", "freq=4", "bn=1", f"epochs={epochs}"]
     job = ElasticJob(tmp_path, *options, "sleep=0.3", rejoin_after=8)
     try:
@@ -186,7 +186,7 @@ def test_a_job_shrinks_on_a_kill_and_a_preemption_then_grows_back(tmp_path):
     assert [(int(a), int(b)) for a, b, _ in resizes] == [(3, 2), (2, 1), (1, 3)], out
     assert "killed by SIGKILL and the restarts are used up (0/0)" in resizes[0][2]
     assert "exited with code 42 (preempted: it saved a backup)" in resizes[1][2]
-    assert "8s passed on fewer than 3 workers" in resizes[2][2]
+    assert "it trained 8s on fewer than 3 workers" in resizes[2][2]
     # The preempted generation saved where it stopped: the next one goes on
     # from the step after its last, with a backup every 4 steps otherwise.
     runs = records_per_generation(job.ids)
@@ -202,7 +202,7 @@ def test_twenty_random_kill_shrink_grow_events(tmp_path):
     epochs = 30
     options = ["batch=12", "freq=1", "bn=1", f"epochs={epochs}"]
     rng = random.Random(22)
-    job = ElasticJob(tmp_path, *options, "sleep=0.25", rejoin_after=7)
+    job = ElasticJob(tmp_path, *options, "sleep=0.4", rejoin_after=2)
     fired = []
     try:
         while True:
