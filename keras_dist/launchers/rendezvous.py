@@ -45,9 +45,7 @@ import time
 from keras_dist import _cluster
 from keras_dist.launchers.supervisor import (
     PREEMPTED_EXIT_CODE,
-    RESIZE_SAVE_SECONDS,
     Group,
-    await_exit,
     describe_exit,
     exit_status,
     say,
@@ -267,11 +265,7 @@ class ElasticHost:
             save = generation.get("save_first", False)
             say(f"generation {number} replaces {self.generation}: "
                 + ("asking the worker to save and exit" if save else "stopping the worker"))
-            self.group.signal_all(signal.SIGTERM)
-            await_exit(self.group.workers,
-                       max(self.grace_period, RESIZE_SAVE_SECONDS) if save
-                       else self.grace_period)
-            self.group.stop()
+            self.group.stop_to_resize(save)
             self.group = None
             return None
         if code is None:

@@ -373,6 +373,18 @@ class Group:
         self.stop()
         return Outcome(HANG_EXIT_CODE, reason)
 
+    def stop_to_resize(self, save: bool) -> list[int | None]:
+        """Sends SIGTERM and stops the group; each worker's exit code before
+        the kill (None: still running). `save`: the workers are healthy and
+        get time to save (BackupAndRestore saves at the next step boundary
+        and exits 42 on every worker); otherwise the grace period."""
+        self.signal_all(signal.SIGTERM)
+        await_exit(self.workers,
+                   max(self.grace_period, RESIZE_SAVE_SECONDS) if save else self.grace_period)
+        codes = [w.proc.poll() for w in self.workers]
+        self.stop()
+        return codes
+
     def _on_resize_time(self, resize_after: float | None) -> Outcome | None:
         if resize_after is None:
             return None
@@ -385,12 +397,7 @@ class Group:
             return None
         if time.monotonic() - self._training_since < resize_after:
             return None
-        # BackupAndRestore saves at the next step boundary and exits 42 on
-        # every worker; a worker still starting up has nothing to save.
-        self.signal_all(signal.SIGTERM)
-        await_exit(self.workers, max(self.grace_period, RESIZE_SAVE_SECONDS))
-        codes = [w.proc.poll() for w in self.workers]
-        self.stop()
+        codes = self.stop_to_resize(save=True)
         if codes == [0] * len(codes):
             for worker in self.workers:
                 worker.reader.join(timeout=5)

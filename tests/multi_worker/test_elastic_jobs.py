@@ -25,6 +25,20 @@ RESIZE = re.compile(r"\[keras-dist\] resize: (\d+) -> (\d+) workers because (.*)
 RESTORED = re.compile(r"\[worker 0\] .*BackupAndRestore: restored .*\(epoch (\d+), step (\d+)\)")
 
 
+def children(pid):
+    """The live (not zombie) child processes of `pid`."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] not in "ZX":
+            found.append(int(entry))
+    return found
+
+
 class ElasticJob:
     """A `keras-dist launch` of backup_main.py, disturbed from outside."""
 
@@ -59,18 +73,7 @@ class ElasticJob:
 
     def workers(self) -> list[int]:
         """The launcher's live worker processes."""
-        found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == self.proc.pid and fields[0] not in "ZX":
-                found.append(int(entry))
-        return found
+        return children(self.proc.pid)
 
     def steps_recorded(self) -> int:
         if not self.ids.exists():
@@ -250,16 +253,6 @@ def start_host(tmp_path, hosts, rank, options, log):
     )
 
 
-def children(pid):
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry))
-        except OSError:
-            pass
-    return found
 
 
 def wait_until(condition, what, timeout=180):
