@@ -158,6 +158,12 @@ class DistributedModel(keras.Model):
             # usually outside any scope: they move onto the strategy in place.
             graph_variables = _graph_variables(args, kwargs)
             values = _keras_compat.snapshot(graph_variables)
+            if not isinstance(self, Functional):
+                # A subclass that builds its graph in its own `__init__` and
+                # calls `super().__init__(inputs, outputs)`: as Keras does for
+                # `keras.Model` subclasses, the user's class becomes a
+                # functional one; keras_dist's own classes stay as they are.
+                _make_functional(type(self))
         resolved = resolve_strategy(strategy)
         _keras_compat.move_onto(resolved, graph_variables, values=values)
         # Set before Keras' __init__, which may build (and so read it).
@@ -787,6 +793,24 @@ def _subclass(cls, bases: tuple) -> type:
 def _functional_subclass(cls) -> type:
     """`cls` (a DistributedModel subclass) used as `cls(inputs, outputs)`."""
     return _subclass(cls, (cls, DistributedFunctional))
+
+
+def _make_functional(cls: type) -> type:
+    """Puts `DistributedFunctional` where `DistributedModel` is in `cls`'s bases.
+
+    Keras' `Model.__init__` with functional arguments rewrites the bases of
+    every class between the user's and `keras.Model` to reach `Functional`
+    (`inject_functional_model_class`), which would make `DistributedModel`
+    itself functional for the rest of the process. keras_dist does the
+    same rewrite first, only on the user's classes, so that Keras' one is
+    never reached (the instance is then a `Functional`).
+    """
+    if cls is DistributedModel:
+        return DistributedFunctional
+    if not issubclass(cls, DistributedModel) or issubclass(cls, Functional):
+        return cls
+    cls.__bases__ = tuple(_make_functional(base) for base in cls.__bases__)
+    return cls
 
 
 def _distributed_class(cls) -> type:
