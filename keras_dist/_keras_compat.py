@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import queue
 import sys
@@ -258,6 +259,71 @@ def configure_collectives(cluster_spec, task_type: str, task_id: int) -> bool:
             ],
         )
     return True
+
+
+def join_cluster_at_startup(cluster_spec, task_type: str, task_id: int) -> None:
+    """Makes TensorFlow's runtime start as this task of the cluster.
+
+    `MultiWorkerMirroredStrategy.__init__` enables collective ops with a
+    server definition (`_initialize_multi_worker`); when the runtime is
+    already running, TensorFlow renames the local devices from
+    `/job:localhost` to `/job:<task_type>` and every dataset, tensor or
+    variable made before becomes unusable ("/job:localhost/... unknown
+    device"). Given the same definition before the runtime starts, the
+    runtime starts (at the script's first TensorFlow call, after any device
+    configuration) with the job's device names, so objects made before the
+    strategy keep working. The definition is the strategy's own: the
+    context's configuration with `_update_config_proto`'s changes.
+    """
+    from tensorflow.core.protobuf import rewriter_config_pb2
+    from tensorflow.core.protobuf import tensorflow_server_pb2
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+
+    spec = multi_worker_util.normalize_cluster_spec(cluster_spec)
+    ctx = context.context()
+    config = ctx.config
+    rewrite = config.graph_options.rewrite_options
+    rewrite.scoped_allocator_optimization = rewriter_config_pb2.RewriterConfig.ON
+    del rewrite.scoped_allocator_opts.enable_op[:]
+    rewrite.scoped_allocator_opts.enable_op.append("CollectiveReduce")
+    config.experimental.collective_group_leader = multi_worker_util.collective_leader(
+        spec, task_type, task_id
+    )
+    del config.device_filters[:]
+    config.device_filters.append(f"/job:{task_type}/task:{task_id}")
+    ctx.enable_collective_ops(
+        tensorflow_server_pb2.ServerDef(
+            cluster=spec.as_cluster_def(),
+            default_session_config=config,
+            job_name=task_type,
+            task_index=task_id,
+            protocol="grpc",
+        )
+    )
+
+
+class _ReenableNotice(logging.Filter):
+    """Drops TensorFlow's warning that collectives are enabled late.
+
+    The strategy enables them again, with the definition the runtime already
+    started with: nothing made before is lost, so the warning would mislead.
+    """
+
+    def filter(self, record) -> bool:
+        return "Enabling collective ops after program startup" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_reenable():
+    """While the strategy is created: no misleading re-enable warning."""
+    logger = tf.get_logger()
+    notice = _ReenableNotice()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
 
 
 def synchronize_batch_norm(layer) -> None:
@@ -963,7 +1029,9 @@ INTERNALS = {
     "keras.src.backend.common.global_state": ("get_global_attribute",),
     "keras.src.saving.object_registration": ("GLOBAL_CUSTOM_NAMES",),
     "keras.src.models.functional": ("Functional",),
-    "keras.src.models.model": ("functional_init_arguments",),
+    # DistributedModel.__init__ does inject_functional_model_class's rewrite
+    # on the user's classes only (see _make_functional).
+    "keras.src.models.model": ("functional_init_arguments", "inject_functional_model_class"),
     "tensorflow.python.distribute.values.PerReplicaSpec (source)": ("_value_specs",),
     "tensorflow.python.distribute.mirrored_strategy (source)": ("_collective_key_base",),
     "tensorflow.python.distribute.collective_all_reduce_strategy.CollectiveAllReduceExtended": (
@@ -978,8 +1046,17 @@ INTERNALS = {
     ),
     "tensorflow.python.eager.context.Context (source)": (
         "_context_handle",
+        "_collective_ops_server_def",
         "configure_collective_ops",
         "configure_coordination_service",
+        "enable_collective_ops",
+    ),
+    # join_cluster_at_startup builds the definition the strategy builds.
+    "tensorflow.python.distribute.collective_all_reduce_strategy.CollectiveAllReduceExtended (source)": (
+        "_update_config_proto",
+        "collective_group_leader",
+        "device_filters",
+        "scoped_allocator_opts",
     ),
     "keras.src.layers.normalization.batch_normalization.BatchNormalization (source)": (
         "_moments",

@@ -6,8 +6,12 @@ be configured at program startup"). Users build layers on `keras.Input`
 (which starts the runtime) before their first keras_dist call, so
 `import keras_dist` does that configuration itself in every process that is
 a task of a multi-worker job (`TF_CONFIG` with several training tasks, or a
-Slurm step with several tasks). It starts nothing: the strategy itself is
-still created on first use, and devices (`simulate_replicas`, GPU memory
+Slurm step with several tasks). It also hands TensorFlow the task's server
+definition, so that its runtime starts (at the script's first TensorFlow
+call) with the job's device names: an input pipeline, a `Normalization`
+layer adapted on data, tensors or variables made before the model keep
+working once the strategy exists. It starts nothing itself: the strategy
+is still created on first use, and devices (`simulate_replicas`, GPU memory
 growth) can still be configured after the import.
 
 The values are the ones `MultiWorkerMirroredStrategy.__init__` passes
@@ -71,5 +75,8 @@ def configure_collectives() -> bool:
         return False  # left to the strategy's creation, which names the problem
     if not _keras_compat.configure_collectives(spec, task_type, task_id):
         return False
+    # The runtime then starts as this task: a dataset, tensor or variable
+    # the script makes before its model keeps working under the strategy.
+    _keras_compat.join_cluster_at_startup(spec, task_type, task_id)
     configured = True
     return True

@@ -313,9 +313,10 @@ def _multi_worker(options=None) -> tf.distribute.Strategy:
         started = time.monotonic()
         _liveness.joining()
         try:
-            _cache[key] = tf.distribute.MultiWorkerMirroredStrategy(
-                cluster_resolver=resolver, communication_options=options
-            )
+            with _keras_compat.quiet_reenable():
+                _cache[key] = tf.distribute.MultiWorkerMirroredStrategy(
+                    cluster_resolver=resolver, communication_options=options
+                )
             _communication[key] = options
         except RuntimeError as e:
             if "program startup" not in str(e):

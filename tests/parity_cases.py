@@ -204,6 +204,41 @@ def _functional_form():
     return build, train
 
 
+@case(
+    "made_before_the_model",
+    "script order of the tutorials: a `tf.data` pipeline, a `Normalization` "
+    "adapted on data, a variable, a tensor and a `tf.function` made before the "
+    "model (and, in the 2-worker job, before the strategy)",
+)
+def _made_before_the_model():
+    made = {}
+
+    def build(kd):
+        x, y = data()
+        offset = tf.Variable(0.25)
+        scale = tf.constant(0.5, "float32")
+
+        @tf.function
+        def prepare(features, target):
+            return features * scale + offset, target
+
+        made["dataset"] = tf.data.Dataset.from_tensor_slices((x, y)).map(prepare).batch(BATCH)
+        made["x"] = x * 0.5 + 0.25
+        normalize = keras.layers.Normalization()
+        normalize.adapt(made["x"])
+        inputs = keras.Input((D,))
+        outputs = mlp_layers(normalize(inputs))
+        if kd:
+            return keras_dist.DistributedModel(inputs, outputs, strategy=kd)
+        return keras.Model(inputs, outputs)
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", metrics=["mae"])
+        return fit_eval_predict(model, made["x"], data()[1], fit_x=made["dataset"])
+
+    return build, train
+
+
 @case("dict_io", "dict inputs and outputs; loss, loss-weight and metric dicts")
 def _dict_io():
     def build(kd):

@@ -47,6 +47,31 @@ def test_local_workers_get_their_own_tf_config(tmp_path, capfd):
     assert all(c["cluster"]["worker"] == workers for c in configs)
 
 
+def test_workers_that_never_formed_a_cluster_are_reported(tmp_path, capfd):
+    # ECHO never imports keras_dist: 2 independent trainings, exit 0.
+    job = script(tmp_path, ECHO)
+    assert keras_dist.launch(job, [str(tmp_path)], num_workers=2) == 0
+    out = "".join(capfd.readouterr())
+    assert (
+        "[keras-dist] warning: the 2 workers never formed a multi-worker cluster "
+        "(the script never imported keras_dist): each trained a model of its own"
+    ) in out
+    assert out.index("warning: the 2 workers") < out.index("job finished")
+    # Workers whose heartbeat says they joined (as keras_dist's strategy
+    # writes it): no warning.
+    joined = script(tmp_path, """
+        import json, os, time
+        with open(os.environ["KERAS_DIST_HEARTBEAT"], "w") as f:
+            json.dump({"joined": True, "time": time.time(), "steps": 1}, f)
+    """, name="joined.py")
+    assert keras_dist.launch(joined, [], num_workers=2) == 0
+    out = "".join(capfd.readouterr())
+    assert "job finished" in out and "never formed" not in out
+    # One process is no cluster to form: nothing to say.
+    assert keras_dist.launch(job, [str(tmp_path)], num_workers=1) == 0
+    assert "never formed" not in "".join(capfd.readouterr())
+
+
 def test_log_dir(tmp_path, capfd):
     job = script(tmp_path, ECHO)
     logs = tmp_path / "logs"

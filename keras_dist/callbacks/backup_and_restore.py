@@ -120,9 +120,17 @@ class BackupAndRestore(keras.callbacks.Callback):
         preemption_signals: Sequence[int] | None = (signal.SIGTERM,),
     ):
         super().__init__()
-        if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
-            raise (ValueError if isinstance(backup_dir, str) else TypeError)(
-                "Invalid value for argument `backup_dir`. Expected a non-empty "
+        if backup_dir is None or (
+            isinstance(backup_dir, (str, os.PathLike)) and not os.fspath(backup_dir)
+        ):
+            # Keras' error (and its type) for a missing directory.
+            raise ValueError(
+                "Empty `backup_dir` argument passed. Expected a non-empty "
+                f"path. Received: backup_dir={backup_dir!r}"
+            )
+        if not isinstance(backup_dir, (str, os.PathLike)):
+            raise TypeError(
+                "Invalid type for argument `backup_dir`. Expected a non-empty "
                 f"path. Received: backup_dir={backup_dir!r}"
             )
         if save_freq != "epoch" and not _is_positive_int(save_freq):

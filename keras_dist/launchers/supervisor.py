@@ -361,8 +361,33 @@ class Group:
             return None
         for worker in self.workers:
             worker.reader.join(timeout=5)
+        notice = self.no_cluster_notice()
+        if notice:
+            say(notice)
         shutil.rmtree(self.heartbeats, ignore_errors=True)
         return Outcome(0)
+
+    def no_cluster_notice(self) -> str:
+        """What to say when the workers of a multi-worker group never formed
+        a cluster: each trained a model of its own on all the data."""
+        watches = [w.watch for w in self.workers if w.watch is not None]
+        if len(watches) < 2 or not all(w.multi_worker for w in watches):
+            return ""
+        beats = [_liveness.read(w.heartbeat) or w.last for w in watches]
+        if any((beat or {}).get("joined") for beat in beats):
+            return ""
+        why = (
+            "the script never imported keras_dist"
+            if all(beat is None for beat in beats)
+            else "keras_dist was imported, but no multi-worker strategy was created"
+        )
+        return (
+            f"warning: the {len(watches)} workers never formed a multi-worker "
+            f"cluster ({why}): each trained a model of its own, on all the data. "
+            "Train through keras_dist (keras_dist.distribute(model), a "
+            "keras_dist.DistributedModel, or keras_dist.resolve_strategy('auto') "
+            "and its scope) for one model trained by all workers."
+        )
 
     def _on_hang(self) -> Outcome | None:
         hung = self.unresponsive()

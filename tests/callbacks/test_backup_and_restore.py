@@ -581,8 +581,16 @@ def test_bad_arguments_are_rejected(tmp_path, kwargs, error, match):
 
 
 def test_bad_backup_dir_is_rejected_before_any_step(tmp_path):
-    with pytest.raises(ValueError, match="Expected a non-empty path. Received: backup_dir=''"):
-        BackupAndRestore("")
+    # Keras' error for a missing directory, whichever way it is missing.
+    for empty in ("", None):
+        with pytest.raises(ValueError, match="Empty `backup_dir` argument passed"):
+            keras.callbacks.BackupAndRestore(empty)
+        with pytest.raises(
+            ValueError,
+            match=f"Empty `backup_dir` argument passed. Expected a non-empty path. "
+            f"Received: backup_dir={empty!r}",
+        ):
+            BackupAndRestore(empty)
     with pytest.raises(TypeError, match="backup_dir=3"):
         BackupAndRestore(3)
     a_file = tmp_path / "file"

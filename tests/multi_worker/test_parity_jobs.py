@@ -56,9 +56,12 @@ def run_and_compare(tmp_path, names, first=()):
 
 def test_two_unseeded_workers_match_plain_keras(tmp_path):
     names = sorted(CASES)
-    # The first case builds its layers before keras_dist creates the strategy.
-    names.remove("functional_form")
-    names.insert(0, "functional_form")
+    # The first case makes its input pipeline, data-adapted layer, variables
+    # and layers before keras_dist creates the strategy (the order of the
+    # tutorials); the second builds layers before `DistributedModel(...)`.
+    for first in ("functional_form", "made_before_the_model"):
+        names.remove(first)
+        names.insert(0, first)
     problems = run_and_compare(tmp_path, names)
     assert not problems, "\n".join(problems)
 
@@ -69,3 +72,34 @@ def test_models_built_after_the_strategy_start_identical(tmp_path):
         tmp_path, ["functional_form", "numpy", "subclassed"], first=["--strategy-first"]
     )
     assert not problems, "\n".join(problems)
+
+
+IMPORTED_LAST = """
+import numpy as np, tensorflow as tf, keras
+x = np.linspace(-1, 1, 64 * 4, dtype="float32").reshape(64, 4)
+dataset = tf.data.Dataset.from_tensor_slices((x, x.sum(1))).batch(16)
+import keras_dist
+model = keras_dist.distribute(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
+print("TRAINING STARTED", flush=True)
+model.compile("sgd", "mse")
+model.fit(dataset, epochs=1, verbose=0)
+"""
+
+
+def test_keras_dist_imported_after_tensorflow_started_fails_before_any_work(tmp_path):
+    """The one script order that cannot train: TensorFlow's runtime ran before
+    keras_dist could make it start as a task of the job. Each worker stops at
+    its first keras_dist call with the fix, before any step."""
+    import subprocess
+    import sys
+
+    job = tmp_path / "imported_last.py"
+    job.write_text(IMPORTED_LAST)
+    done = subprocess.run(
+        [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", str(job)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    assert "TRAINING STARTED" not in out
+    assert "Put `import keras_dist` before the first TensorFlow or Keras call" in out, out[-3000:]
