@@ -8,15 +8,16 @@ that every worker issues in the same order (see STYLE.md, Callbacks):
 - `agreed_seed`: a shuffle seed drawn by the chief, shared by all.
 - `broadcast_from_chief`: an int64 vector from the chief to every worker.
 - `agree_on_finite`: in a replica step, the loss-scale verdict made global.
+- `callbacks_for_this_worker`: Keras' file-writing callbacks on the chief only.
 
 `worker_info` (the public rank description) lives in `keras_dist.strategy`.
 """
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import tensorflow as tf
-import keras
 
 from keras_dist import _keras_compat
 from keras_dist.strategy import worker_info
@@ -31,6 +32,30 @@ def is_multi_worker(strategy: tf.distribute.Strategy) -> bool:
 
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
     return worker_info(strategy).is_chief
+
+
+# Keras' callbacks whose only effect is a file or a request for the user
+# (none issues a collective or changes training): under multi-worker
+# training the chief's alone runs, so a job leaves what one process leaves
+# (one event file per TensorBoard run directory, one CSV writer, one request
+# per epoch). Exact classes: a subclass may do more, and runs everywhere.
+CHIEF_ONLY_CALLBACKS = (
+    keras.callbacks.CSVLogger,
+    keras.callbacks.RemoteMonitor,
+    keras.callbacks.TensorBoard,
+)
+
+
+def callbacks_for_this_worker(strategy: tf.distribute.Strategy, callbacks):
+    """`callbacks` as this worker runs them: without the chief-only ones on
+    the other workers of a multi-worker job (see `CHIEF_ONLY_CALLBACKS`)."""
+    if (
+        not isinstance(callbacks, (list, tuple))
+        or not is_multi_worker(strategy)
+        or is_chief(strategy)
+    ):
+        return callbacks
+    return [c for c in callbacks if type(c) not in CHIEF_ONLY_CALLBACKS]
 
 
 _SUM_FUNCTIONS: dict = {}

@@ -419,7 +419,7 @@ class DistributedModel(keras.Model):
                     batch_size=batch_size,
                     epochs=epochs,
                     verbose=self._kd_verbose(verbose),
-                    callbacks=callbacks,
+                    callbacks=_collectives.callbacks_for_this_worker(strategy, callbacks),
                     validation_split=validation_split,
                     validation_data=validation_data,
                     shuffle=shuffle,
@@ -560,7 +560,7 @@ class DistributedModel(keras.Model):
                 verbose=self._kd_verbose(verbose),
                 sample_weight=sample_weight,
                 steps=steps,
-                callbacks=callbacks,
+                callbacks=_collectives.callbacks_for_this_worker(strategy, callbacks),
                 return_dict=return_dict,
                 **kwargs,
             )
@@ -594,7 +594,7 @@ class DistributedModel(keras.Model):
                 batch_size=batch_size,
                 verbose=self._kd_verbose(verbose),
                 steps=steps,
-                callbacks=callbacks,
+                callbacks=_collectives.callbacks_for_this_worker(strategy, callbacks),
             )
         return _steps.restore_dtypes(outputs, self._kd_predict_dtypes)
 

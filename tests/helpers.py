@@ -84,3 +84,41 @@ class Crash(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.model.optimizer.iterations.numpy() >= self.at:
             raise RuntimeError("simulated crash")
+
+
+class RequestCounter:
+    """A real HTTP server on 127.0.0.1 that counts the POSTs per path
+    (what `keras.callbacks.RemoteMonitor` sends); a context manager."""
+
+    def __enter__(self):
+        import collections
+        import http.server
+        import threading
+
+        counts = self.counts = collections.Counter()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                counts[self.path] += 1
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+    def by_run(self) -> dict:
+        """{"keras_dist" | "plain": [requests of each process that sent any]}."""
+        runs: dict = {}
+        for path, n in sorted(self.counts.items()):
+            runs.setdefault(path.split("/")[1], []).append(n)
+        return runs

@@ -528,15 +528,17 @@ def _compiled_first():
 
 
 @case("callbacks", "EarlyStopping(restore_best_weights), ModelCheckpoint, "
-      "ReduceLROnPlateau, CSVLogger, TensorBoard, TerminateOnNaN, LearningRateScheduler")
+      "ReduceLROnPlateau, CSVLogger, TensorBoard, TerminateOnNaN, LearningRateScheduler, "
+      "Keras' BackupAndRestore, RemoteMonitor: the files and requests one process leaves")
 def _callbacks():
     build = functional_mlp
 
     def train(model):
         model.compile(keras.optimizers.SGD(0.2, momentum=0.9), "mse")
         x, y = data()
-        work = own_dir("callbacks")
-        best = os.path.join(shared_dir("callbacks"), "best.keras")
+        # As a user writes it: the same paths on every worker.
+        work = shared_dir("callbacks")
+        best = os.path.join(work, "best.keras")
         callbacks = [
             keras.callbacks.EarlyStopping("val_loss", patience=1, restore_best_weights=True),
             keras.callbacks.ModelCheckpoint(best, save_best_only=True),
@@ -545,17 +547,52 @@ def _callbacks():
             keras.callbacks.TensorBoard(os.path.join(work, "tb")),
             keras.callbacks.TerminateOnNaN(),
             keras.callbacks.LearningRateScheduler(lambda e, lr: lr * 0.9),
+            keras.callbacks.BackupAndRestore(os.path.join(work, "backup")),
         ]
+        remote = os.environ.get("PARITY_REMOTE_MONITOR")
+        if remote:
+            callbacks.append(keras.callbacks.RemoteMonitor(
+                root=remote, path=f"/{_mode['name']}/{os.getpid()}"
+            ))
         out = fit_eval_predict(model, x, y, epochs=8, validation_data=(x, y),
                                callbacks=callbacks)
         loaded = keras.models.load_model(best)
         out["checkpoint/predict"] = np.asarray(loaded.predict(x, batch_size=BATCH, verbose=0))
-        out["csv_rows"] = np.asarray(
-            len(open(os.path.join(work, "log.csv")).read().strip().splitlines())
-        )
+        # What the job left (read after evaluate and predict, which every
+        # worker only finishes once the chief's fit has closed its files).
+        out.update(files_left(work))
         return out
 
     return build, train
+
+
+def files_left(work: str) -> dict:
+    """The files a run left in `work`, as comparable values: the tree (event
+    files counted per directory), the CSV's columns and numbers, and every
+    TensorBoard scalar by run, tag and step."""
+    out, tree = {}, []
+    for root, _, names in sorted(os.walk(work)):
+        where = os.path.relpath(root, work)
+        events = [n for n in names if n.startswith("events.out.tfevents")]
+        tree += [f"{where}/{n}" for n in sorted(names) if n not in events]
+        if events:
+            tree.append(f"{where}/<{len(events)} event file(s)>")
+        for name in events:
+            for event in tf.compat.v1.train.summary_iterator(os.path.join(root, name)):
+                for value in event.summary.value:
+                    if value.metadata.plugin_data.plugin_name != "scalars":
+                        continue  # the model's graph and config
+                    key = f"tensorboard/{where}/{value.tag}"
+                    number = float(tf.make_ndarray(value.tensor)) if value.HasField(
+                        "tensor") else value.simple_value
+                    out.setdefault(key, []).append((event.step, number))
+    out = {k: np.asarray(sorted(v), "float64") for k, v in out.items()}
+    out["files"] = np.asarray(tree)
+    with open(os.path.join(work, "log.csv")) as f:
+        header, *rows = f.read().strip().splitlines()
+    out["csv/columns"] = np.asarray(header.split(","))
+    out["csv/values"] = np.asarray([[float(v) for v in r.split(",")] for r in rows])
+    return out
 
 
 @case("save_load", "`.keras` save / load, `save_weights` / `load_weights`")

@@ -5,16 +5,25 @@ each must give the same history, evaluation, predictions and weights as
 plain Keras on one device (within 1e-5).
 """
 
+import os
+from unittest import mock
+
 import numpy as np
 import pytest
 
-from helpers import two_replicas
+from helpers import RequestCounter, two_replicas
 from parity_cases import CASES, LOSS_SCALED_IN_LOGS, compare, run_case
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_two_replicas_match_plain_keras(name):
-    distributed, plain = run_case(name, two_replicas())
+    with RequestCounter() as remote, mock.patch.dict(
+        os.environ, {"PARITY_REMOTE_MONITOR": remote.url}
+    ):
+        distributed, plain = run_case(name, two_replicas())
+    if name == "callbacks":
+        epochs = len(plain["history/loss"])
+        assert remote.by_run() == {"keras_dist": [epochs], "plain": [epochs]}
     if name in LOSS_SCALED_IN_LOGS:
         # Deliberate difference (Keras' own under any strategy): a custom
         # train_step that logs `compute_loss(...)` logs the loss Keras scales

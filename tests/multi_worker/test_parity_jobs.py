@@ -12,6 +12,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
+from helpers import RequestCounter
 from multi_worker._cluster import run_workers
 from parity_cases import CASES, LOSS_SCALED_IN_LOGS, compare
 
@@ -26,10 +27,19 @@ def split(results: dict, name: str, kind: str) -> dict:
 
 
 def run_and_compare(tmp_path, names, first=()):
-    with mock.patch.dict(os.environ, {"PARITY_WORKDIR": str(tmp_path / "work")}):
+    with RequestCounter() as remote, mock.patch.dict(os.environ, {
+        "PARITY_WORKDIR": str(tmp_path / "work"), "PARITY_REMOTE_MONITOR": remote.url,
+    }):
         run_workers(WORKER, [str(tmp_path / "out"), *first, *names], timeout=560)
     ranks = [dict(np.load(tmp_path / "out" / f"rank{r}.npz")) for r in (0, 1)]
     problems = []
+    if "callbacks" in names:
+        # Keras' file-writing callbacks: the job leaves what one process
+        # leaves (compared file by file below, as `files`, `csv/*` and
+        # `tensorboard/*`), and RemoteMonitor sends one request per epoch
+        # from the chief where each plain process sends its own.
+        epochs = len(split(ranks[0], "callbacks", "plain")["history/loss"])
+        assert remote.by_run() == {"keras_dist": [epochs], "plain": [epochs, epochs]}
     for name in names:
         for rank, results in enumerate(ranks):
             distributed = split(results, name, "keras_dist")
