@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import os
 import queue
 import sys
@@ -301,29 +300,19 @@ def join_cluster_at_startup(cluster_spec, task_type: str, task_id: int) -> None:
             protocol="grpc",
         )
     )
+    # This process's server is started (at its runtime's start): every
+    # MultiWorkerMirroredStrategy made in it, keras_dist's or the user's
+    # own, uses it as TensorFlow does for a strategy whose server already
+    # started (`_std_server_started`), instead of updating it with a second
+    # `enable_collective_ops`, which races with peers resolving their first
+    # collective group (a 2-worker job was seen to hang in its first
+    # broadcast). The Python health check stays off, as TensorFlow turns it
+    # off whenever the coordination service (configured above) runs.
+    from tensorflow.python.distribute import collective_all_reduce_strategy
 
-
-class _ReenableNotice(logging.Filter):
-    """Drops TensorFlow's warning that collectives are enabled late.
-
-    The strategy enables them again, with the definition the runtime already
-    started with: nothing made before is lost, so the warning would mislead.
-    """
-
-    def filter(self, record) -> bool:
-        return "Enabling collective ops after program startup" not in record.getMessage()
-
-
-@contextlib.contextmanager
-def quiet_reenable():
-    """While the strategy is created: no misleading re-enable warning."""
-    logger = tf.get_logger()
-    notice = _ReenableNotice()
-    logger.addFilter(notice)
-    try:
-        yield
-    finally:
-        logger.removeFilter(notice)
+    extended = collective_all_reduce_strategy.CollectiveAllReduceExtended
+    extended._std_server_started = True
+    extended._enable_check_health = False
 
 
 def synchronize_batch_norm(layer) -> None:
@@ -1053,6 +1042,8 @@ INTERNALS = {
     ),
     # join_cluster_at_startup builds the definition the strategy builds.
     "tensorflow.python.distribute.collective_all_reduce_strategy.CollectiveAllReduceExtended (source)": (
+        "_enable_check_health",
+        "_std_server_started",
         "_update_config_proto",
         "collective_group_leader",
         "device_filters",

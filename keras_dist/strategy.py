@@ -313,10 +313,9 @@ def _multi_worker(options=None) -> tf.distribute.Strategy:
         started = time.monotonic()
         _liveness.joining()
         try:
-            with _keras_compat.quiet_reenable():
-                _cache[key] = tf.distribute.MultiWorkerMirroredStrategy(
-                    cluster_resolver=resolver, communication_options=options
-                )
+            _cache[key] = tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=resolver, communication_options=options
+            )
             _communication[key] = options
         except RuntimeError as e:
             if "program startup" not in str(e):

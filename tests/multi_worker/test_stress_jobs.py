@@ -1,0 +1,58 @@
+"""Many fits in one process: Python-fed and array inputs alternating, garbage
+collection forced between fits (tests/multi_worker/stress_main.py).
+
+A Python-fed iterator (a generator, a `PyDataset`, `from_generator`) torn
+down while its prefetch thread waits for Python's lock can deadlock the
+thread that tears it down; each fit here is bounded (a hung fit dumps every
+thread's stack and fails the test), and the process's threads must not grow
+with the number of fits.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.multi_worker
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "stress_main.py")
+FITS, LIMIT = 50, 120
+
+
+def threads(out: str) -> list[tuple[int, int]]:
+    return [(int(a), int(b)) for a, b in re.findall(r"THREADS (\d+) (\d+)", out)]
+
+
+def check(out: str, processes: int) -> None:
+    assert out.count("DONE") == processes, out[-6000:]
+    assert out.count(f"fit {FITS - 1} ") == processes, out[-6000:]
+    counts = threads(out)
+    assert len(counts) == 2 * processes, out[-3000:]
+    for (python_after_8, os_after_8), (python_end, os_end) in zip(counts[::2], counts[1::2]):
+        # Python threads: none left behind by a fit; OS threads: TensorFlow's
+        # pools are made once, nothing grows with the number of fits.
+        assert python_end <= python_after_8 + 1, counts
+        assert os_end <= os_after_8 + 4, counts
+
+
+def test_fifty_fits_on_a_mirrored_strategy(tmp_path):
+    done = subprocess.run(
+        [sys.executable, SCRIPT, str(FITS), str(LIMIT)], capture_output=True, text=True,
+        timeout=FITS * LIMIT, cwd=tmp_path, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    check(out, 1)
+
+
+def test_fifty_fits_on_two_launched_workers(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2",
+         "--hang-timeout", str(LIMIT), SCRIPT, str(FITS), str(LIMIT)],
+        capture_output=True, text=True, timeout=FITS * LIMIT, cwd=tmp_path,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    check(out, 2)
