@@ -141,6 +141,68 @@ def _sparse_loss(loss):
     return False, None
 
 
+def _class_labels(model) -> tuple[int, int | None] | None:
+    """(number of classes, ignore_class) when `model` is compiled with a sparse
+    categorical crossentropy on one output whose class count is known."""
+    if getattr(model, "loss", None) is None:
+        return None
+    sparse, ignore_class = _sparse_loss(model.loss)
+    if not sparse:
+        return None
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):
+        return None
+    if not outputs or len(outputs) != 1:
+        return None
+    classes = outputs[0].shape[-1]
+    return None if classes is None else (int(classes), ignore_class)
+
+
+def _label_message(argument: str, classes: int) -> str:
+    return (
+        f"Invalid value in argument `{argument}`: the loss "
+        "sparse_categorical_crossentropy takes class indices in "
+        f"[0, {classes}) for this model's {classes} outputs. "
+    )
+
+
+_LABEL_FIX = (
+    "Map the labels to 0..classes-1, or give the last layer as many units as "
+    "there are classes."
+)
+
+
+def label_range_check(model):
+    """A `data -> data` function for the step, or None: the batch's integer
+    class labels must lie in [0, classes) (`check_class_labels`'s rule, for
+    input that cannot be scanned up front: `tf.data`, generators,
+    `PyDataset`). A bad batch stops the step before its update, with the fix
+    (TensorFlow's own error names no argument; on a GPU the loss is NaN)."""
+    found = _class_labels(model)
+    if found is None:
+        return None
+    classes, ignore_class = found
+
+    def checked(data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if not isinstance(y, tf.Tensor) or not y.dtype.is_integer:
+            return data
+        labels = y if ignore_class is None else tf.boolean_mask(
+            y, tf.not_equal(y, tf.cast(ignore_class, y.dtype))
+        )
+        message = _label_message("y", classes) + "Received: a batch with a label outside it. " + _LABEL_FIX
+        checks = [
+            tf.debugging.assert_non_negative(labels, message=message),
+            tf.debugging.assert_less(labels, tf.cast(classes, labels.dtype), message=message),
+        ]
+        with tf.control_dependencies(checks):
+            y = tf.identity(y)
+        return keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
+
+    return checked
+
+
 def check_class_labels(model, y, argument: str = "y") -> None:
     """Integer labels of a sparse categorical loss lie in [0, classes).
 
@@ -148,20 +210,12 @@ def check_class_labels(model, y, argument: str = "y") -> None:
     would otherwise fail inside the first step on CPUs, and give NaN losses
     silently on GPUs.
     """
-    if not _is_array(y) or getattr(model, "loss", None) is None:
+    if not _is_array(y):
         return
-    sparse, ignore_class = _sparse_loss(model.loss)
-    if not sparse:
+    found = _class_labels(model)
+    if found is None:
         return
-    try:
-        outputs = model.outputs
-    except (AttributeError, ValueError):
-        return
-    if not outputs or len(outputs) != 1:
-        return
-    classes = outputs[0].shape[-1]
-    if classes is None:
-        return
+    classes, ignore_class = found
     labels = np.asarray(y)
     if labels.dtype.kind not in "iu" or labels.size == 0:
         return
@@ -173,10 +227,7 @@ def check_class_labels(model, y, argument: str = "y") -> None:
     if low < 0 or high >= classes:
         bad = low if low < 0 else high
         raise ValueError(
-            f"Invalid value in argument `{argument}`: the loss "
-            "sparse_categorical_crossentropy takes class indices in "
-            f"[0, {classes}) for this model's {classes} outputs. Received: "
-            f"a label {bad} (labels range from {low} to {high}). Map the "
-            "labels to 0..classes-1, or give the last layer as many units as "
-            "there are classes."
+            _label_message(argument, classes)
+            + f"Received: a label {bad} (labels range from {low} to {high}). "
+            + _LABEL_FIX
         )

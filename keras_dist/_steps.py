@@ -15,6 +15,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _collectives
+from keras_dist import _input_checks
 from keras_dist import _keras_compat
 from keras_dist import _liveness
 
@@ -26,6 +27,12 @@ def make_function(model, step_function, before_input=None):
     step reads its input and returns tensors that the read waits for.
     """
     strategy = model.distribute_strategy
+    check_labels = _input_checks.label_range_check(model)
+    if check_labels is not None:
+        unchecked = step_function
+
+        def step_function(data):
+            return unchecked(check_labels(data))
 
     def next_input(iterator, get):
         if before_input is None:

@@ -33,14 +33,23 @@ def _say(message: str) -> None:
     sys.stderr.flush()
 
 
+def _trial_number(oracle, trial_id: str) -> int:
+    """keras-tuner's number of a trial ("Trial 4"): its place in creation order."""
+    return list(oracle.trials).index(trial_id) + 1
+
+
 def _format_trial(trial, oracle) -> str:
     values = ", ".join(f"{k}={v!r}" for k, v in trial.hyperparameters.values.items())
     name = getattr(oracle.objective, "name", "score")
     score = "no score" if trial.score is None else f"{name} {trial.score:.6g}"
-    line = f"trial {trial.trial_id} {trial.status.lower()}: {score}; {values}"
+    number = _trial_number(oracle, trial.trial_id)
+    line = f"trial {number} {trial.status.lower()}: {score}; {values}"
     best = oracle.get_best_trials(1)
     if best and best[0].score is not None:
-        line += f"; best so far: trial {best[0].trial_id}, {name} {best[0].score:.6g}"
+        line += (
+            f"; best so far: trial {_trial_number(oracle, best[0].trial_id)}, "
+            f"{name} {best[0].score:.6g}"
+        )
     return line
 
 
@@ -54,10 +63,17 @@ def _report_trials(start_server):
 
         def reporting_end_trial(trial, *args, **kwargs):
             result = end_trial(trial, *args, **kwargs)
+            # keras-tuner saves the oracle before it takes the trial off the
+            # ongoing list, and nothing saves after the last trial: a finished
+            # search re-run with overwrite=False would train it again.
+            _save(oracle)
             _say(_format_trial(oracle.trials[trial.trial_id], oracle))
             return result
 
         oracle.end_trial = reporting_end_trial  # this oracle object only
+        # The chief trains nothing: its one line per trial replaces
+        # keras-tuner's "Search: Running Trial #N" tables.
+        oracle.verbose = 0
         _say(
             f"oracle ready: {type(oracle).__name__}, objective "
             f"{getattr(oracle.objective, 'name', oracle.objective)}, "
@@ -66,6 +82,43 @@ def _report_trials(start_server):
         return start_server(oracle, *args, **kwargs)
 
     return serve
+
+
+def _save(oracle) -> None:
+    from keras_dist.tuner import _kt_compat as kt
+
+    kt.synchronized(type(oracle).save)(oracle)
+
+
+def _quiet_after_search(search):
+    """Wraps `BaseTuner.search` on a tuner worker: what the script prints
+    after its search (results summary, best model summary) comes from the
+    chief alone, as from one plain process."""
+
+    @functools.wraps(search)
+    def quiet_after(self, *args, **kwargs):
+        if sys.stdout is not sys.__stdout__:
+            sys.stdout = sys.__stdout__  # a second search() shows its progress
+        result = search(self, *args, **kwargs)
+        _say("search done on this tuner worker: its further output goes to "
+             "its log only (the chief prints the results)")
+        sys.stdout = _Discard()
+        return result
+
+    return quiet_after
+
+
+class _Discard:
+    """A standard output that keeps nothing."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
 
 
 def _prepare_chief(init):
@@ -131,6 +184,7 @@ def _prepare(role: str, in_group: bool) -> None:
         kt.BaseTuner.__init__ = _prepare_chief(kt.BaseTuner.__init__)
     else:
         kt.BaseTuner.__init__ = _prepare_worker(kt.BaseTuner.__init__, in_group)
+        kt.BaseTuner.search = _quiet_after_search(kt.BaseTuner.search)
         kt.wrap_trial_runs(_active_in_trials)
 
 

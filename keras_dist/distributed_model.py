@@ -682,9 +682,17 @@ def _graph_variables(args, kwargs) -> list:
 def _model_state(model: keras.Model) -> list:
     """Every variable a model owns: layers, optimizer, compiled metrics."""
     variables = list(model.variables) + list(model.metrics_variables)
-    if getattr(model, "optimizer", None) is not None:
+    if _optimizer(model) is not None:
         variables += _keras_compat.optimizer_variables(model.optimizer)
     return _keras_compat.unique_variables(variables)
+
+
+def _optimizer(model: keras.Model):
+    """The model's Keras optimizer, or None (also for an `optimizer`
+    attribute that holds something else: a model may set one, as Keras'
+    own does not forbid)."""
+    optimizer = getattr(model, "optimizer", None)
+    return optimizer if isinstance(optimizer, keras.optimizers.Optimizer) else None
 
 
 def _split(arrays, validation_split):
@@ -896,7 +904,7 @@ def distribute(
     _keras_compat.set_model_strategy(model, None if is_default(resolved) else resolved)
     _wrap_build(model)
     _keras_compat.move_onto(
-        resolved, variables, optimizer=getattr(model, "optimizer", None), values=values
+        resolved, variables, optimizer=_optimizer(model), values=values
     )
     _fit_session.reset_compiled_functions(model)
     model._kd_prepare_layers()

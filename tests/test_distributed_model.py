@@ -490,6 +490,33 @@ def test_out_of_range_class_labels_fail_before_training(loss):
                  batch_size=16, verbose=0)
 
 
+def test_out_of_range_class_labels_in_a_dataset_stop_the_step_naming_the_fix():
+    # A tf.data pipeline cannot be scanned up front: the step checks each
+    # batch and stops before the bad batch's update, naming the fix.
+    inputs = keras.Input((8,))
+    model = keras_dist.distribute(
+        keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(inputs)),
+        "mirrored",
+    )
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    x = _rows(32)
+    before = model.get_weights()
+    labels = np.where(np.arange(32) < 16, 5, 1)  # the first batch is bad
+    bad = tf.data.Dataset.from_tensor_slices((x, labels)).batch(16)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"`y`.*\[0, 3\).*Map the labels to 0..classes-1"):
+        model.fit(bad, verbose=0)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"`y`.*\[0, 3\)"):
+        model.evaluate(tf.data.Dataset.from_tensor_slices((x, -labels)).batch(16),
+                       verbose=0)
+    # A good pipeline trains (the check adds no collective and no retrace).
+    good = tf.data.Dataset.from_tensor_slices((x, np.arange(32) % 3)).batch(16)
+    history = model.fit(good, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+
+
 def test_bad_validation_batch_size():
     model = compiled()
     x, y = regression_data()

@@ -198,3 +198,23 @@ def test_a_guide_subclass_leaves_distributed_model_as_it_was():
     x, y = data()
     net.fit(x, y, batch_size=16, verbose=0)
     assert np.isfinite(net.evaluate(x, y, verbose=0))
+
+
+def test_an_optimizer_attribute_that_is_not_an_optimizer():
+    # keras-tuner's own test models set `self.optimizer = True`; Keras does not
+    # forbid it, and neither does distribute().
+    class Mock(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+            self.optimizer = True
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Mock()
+    x = data()[0]
+    before = model(x[:2]).numpy()
+    model = keras_dist.distribute(model, two_replicas())
+    assert model.optimizer is True
+    np.testing.assert_array_equal(model(x[:2]).numpy(), before)

@@ -1,7 +1,7 @@
 """keras-tuner's getting-started search as its users write it: no keras_dist.
 
 Run unchanged by `keras-dist tune` in test_search_jobs.py; argv[1] is the
-tuner's directory.
+tuner's directory; `resume` as argv[2] runs it with overwrite=False.
 """
 
 import sys
@@ -35,7 +35,7 @@ tuner = keras_tuner.RandomSearch(
     objective="val_accuracy",
     max_trials=3,
     executions_per_trial=1,
-    overwrite=True,
+    overwrite=sys.argv[2:3] != ["resume"],
     directory=sys.argv[1] if len(sys.argv) > 1 else "my_dir",
     project_name="helloworld",
 )

@@ -63,7 +63,10 @@ def test_two_tuner_workers_run_every_trial_once(tmp_path):
     # keras_dist's tuners get the chief's per-trial progress lines too.
     trial_lines = sorted(line.split(":")[0] for line in job.stdout.splitlines()
                          if line.startswith("[chief] [keras-dist] trial "))
-    assert trial_lines == [f"[chief] [keras-dist] trial {i} completed" for i in range(6)]
+    # keras-tuner's numbering ("Trial 1" is trial id 00).
+    assert trial_lines == sorted(
+        f"[chief] [keras-dist] trial {i} completed" for i in range(1, 7)
+    )
 
 
 KERAS_TUNER_SCRIPT = os.path.join(os.path.dirname(__file__), "keras_tuner_main.py")
@@ -80,10 +83,24 @@ def test_a_plain_keras_tuner_script_runs_unchanged(tmp_path):
         assert len(trials) == 3, explain(job)
         assert all("completed: val_accuracy" in line and "best so far: trial" in line
                    and "tuner workers running" in line for line in trials)
+        # What the script prints after search() comes once, from the chief
+        # (as from one plain process); the chief, which trains nothing,
+        # shows no "Running Trial" tables.
+        assert job.stdout.count("Results summary") == 1, explain(job)
         assert "[chief] Results summary" in job.stdout
+        assert "Search: Running Trial" not in "".join(
+            line for line in job.stdout.splitlines(True) if line.startswith("[chief]"))
         assert "search finished after" in job.stderr
         # TensorFlow's start-up lines stay out of the console.
         assert "cuInit" not in job.stdout and "absl::InitializeLog" not in job.stdout
+    # The finished search run again with overwrite=False (as plain
+    # keras-tuner resumes a project): nothing trains, the results print once.
+    job = tune(tmp_path, "--num-workers", "2", script=KERAS_TUNER_SCRIPT,
+               args=["resume"])
+    assert job.returncode == 0, explain(job)
+    assert "[keras-dist] trial " not in job.stdout, explain(job)
+    assert "Search: Running Trial" not in job.stdout, explain(job)
+    assert job.stdout.count("Results summary") == 1, explain(job)
 
 
 def test_a_plain_tuner_in_trial_groups_stops_at_once_naming_the_fix(tmp_path):
