@@ -315,6 +315,26 @@ def join_cluster_at_startup(cluster_spec, task_type: str, task_id: int) -> None:
     extended._enable_check_health = False
 
 
+@contextlib.contextmanager
+def cross_replica_updates(strategy):
+    """While open (in a cross-replica context, at trace time): Keras' TF
+    optimizer updates its variables directly instead of through a
+    `merge_call`, which needs a replica context.
+
+    Keras' optimizer reaches `extended.update` through
+    `maybe_merge_call`, which takes the direct path when the strategy says
+    it needs no merge call (`_use_merge_call`); the update it then makes is
+    the one a merge call would make, from the cross-replica context keras_dist
+    is already in (see `_steps._apply_accumulating`).
+    """
+    extended = strategy.extended
+    extended._use_merge_call = lambda: False  # this strategy object, not its class
+    try:
+        yield
+    finally:
+        del extended._use_merge_call
+
+
 def synchronize_batch_norm(layer) -> None:
     """Global-batch statistics for a `BatchNormalization` layer, computed stably.
 
@@ -1041,6 +1061,7 @@ INTERNALS = {
         "enable_collective_ops",
     ),
     # join_cluster_at_startup builds the definition the strategy builds.
+    "tensorflow.python.distribute.merge_call_interim (source)": ("_use_merge_call",),
     "tensorflow.python.distribute.collective_all_reduce_strategy.CollectiveAllReduceExtended (source)": (
         "_enable_check_health",
         "_std_server_started",

@@ -154,10 +154,46 @@ def train_step(model, data, *, even_batches: bool = False, gradient_monitor=None
             _monitor_gradients(gradient_monitor, model, gradients, factor)
         if context is not None and strategy.num_replicas_in_sync > 1:
             gradients = _collectives.agree_on_finite(model.optimizer, gradients, context)
-        model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
+        if (
+            context is not None
+            and strategy.num_replicas_in_sync > 1
+            and getattr(model.optimizer, "gradient_accumulation_steps", None)
+        ):
+            _apply_accumulating(context, model.optimizer, gradients, model.trainable_weights)
+        else:
+            model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
     else:
         warnings.warn("The model does not have any trainable weights.")
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _apply_accumulating(context, optimizer, gradients, variables) -> None:
+    """`optimizer.apply_gradients` for an optimizer with
+    `gradient_accumulation_steps`, from a replica step.
+
+    Keras' accumulation chooses between "update" and "accumulate" in a
+    `cond` whose update branch reaches the strategy's `merge_call`, which
+    TensorFlow refuses inside a `cond` in a replica context (plain Keras
+    fails on any `MirroredStrategy`). Here the replicas' gradients are
+    summed first (each is already scaled by 1/N, so the sum is the global
+    batch's gradient) and the optimizer applies them once, in the
+    cross-replica context, where its `cond` updates every replica's copy
+    alike: k accumulated steps of global batch B on N replicas make the
+    update one device makes with the same optimizer on batch B.
+    """
+    pairs = [(g, v) for g, v in zip(gradients, variables) if g is not None]
+
+    def apply(strategy, per_replica):
+        summed = strategy.extended.batch_reduce_to(
+            tf.distribute.ReduceOp.SUM, [(g, g) for g, _ in per_replica]
+        )
+        # Equal on every replica: one copy, applied to every replica's
+        # variable by the strategy's update.
+        summed = [strategy.experimental_local_results(g)[0] for g in summed]
+        with _keras_compat.cross_replica_updates(strategy):
+            optimizer.apply_gradients(zip(summed, [v for _, v in per_replica]))
+
+    context.merge_call(apply, args=(pairs,))
 
 
 def _monitor_gradients(monitor, model, gradients, factor) -> None:

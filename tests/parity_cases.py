@@ -239,6 +239,41 @@ def _made_before_the_model():
     return build, train
 
 
+def _accumulating(optimizer: str, batch_norm: bool):
+    """An optimizer's own `gradient_accumulation_steps=2` (Keras 3): plain
+    Keras trains it on one device and fails on any `MirroredStrategy`."""
+
+    def make():
+        def build(kd):
+            layers = [keras.Input((D,)), keras.layers.Dense(8, activation="relu")]
+            if batch_norm:
+                layers.append(keras.layers.BatchNormalization())
+            return keras.Sequential(layers + [keras.layers.Dense(1)])
+
+        def train(model):
+            if optimizer == "sgd":
+                opt = keras.optimizers.SGD(0.05, momentum=0.9, gradient_accumulation_steps=2)
+            else:
+                opt = keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)
+            model.compile(opt, "mse", metrics=["mae"])
+            x, y = data()
+            return fit_eval_predict(model, x, y, validation_split=0.25, epochs=3)
+
+        return build, train
+
+    return make
+
+
+for _optimizer in ("sgd", "adam"):
+    for _batch_norm in (False, True):
+        _name = f"gradient_accumulation_{_optimizer}" + ("_batch_norm" if _batch_norm else "")
+        CASES[_name] = (
+            _accumulating(_optimizer, _batch_norm),
+            f"`gradient_accumulation_steps=2`, {'SGD momentum' if _optimizer == 'sgd' else 'Adam'}"
+            + (", `BatchNormalization`" if _batch_norm else ""),
+        )
+
+
 @case("dict_io", "dict inputs and outputs; loss, loss-weight and metric dicts")
 def _dict_io():
     def build(kd):

@@ -517,6 +517,22 @@ def test_out_of_range_class_labels_in_a_dataset_stop_the_step_naming_the_fix():
     assert np.isfinite(history.history["loss"]).all()
 
 
+def test_gradient_accumulation_on_replicas_is_one_device_with_the_larger_batch():
+    # k=2 accumulated steps of global batch 16 on 4 replicas = plain Keras on
+    # one device with batch 32 and no accumulation (SGD momentum, no batch
+    # statistics involved).
+    x, y = regression_data(n=64)
+    reference = mlp()
+    model = keras_dist.distribute(mlp(), "mirrored")
+    reference.set_weights(model.get_weights())
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9, gradient_accumulation_steps=2), "mse")
+    reference.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
+    assert model.distribute_strategy.num_replicas_in_sync == 4
+    model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    assert max_abs_diff(model.get_weights(), reference.get_weights()) < 1e-5
+
+
 def test_bad_validation_batch_size():
     model = compiled()
     x, y = regression_data()
