@@ -80,6 +80,28 @@ def check_arrays(x, y=None, sample_weight=None, prefix: str = "") -> None:
         )
 
 
+def check_no_missing_inputs(multi_worker: bool, x, prefix: str = "") -> None:
+    """`None` for an optional input is refused under multi-worker training.
+
+    TensorFlow's multi-worker input pipeline reads every element's shape
+    (`NoneTensorSpec` has none) and fails inside the first step; on one
+    process (one device or `MirroredStrategy`) such inputs train.
+    """
+    if not multi_worker or not isinstance(x, (dict, list, tuple)):
+        return
+    leaves = x.items() if isinstance(x, dict) else enumerate(x)
+    missing = [key for key, value in leaves if value is None]
+    if missing:
+        raise ValueError(
+            f"Invalid value for argument `{prefix}x`: `None` for an optional "
+            "input is not supported under multi-worker training (TensorFlow's "
+            "multi-worker input pipeline needs a shape for every input). "
+            f"Received: None for {', '.join(repr(k) for k in missing)}. Pass an "
+            "array for every input (e.g. zeros with a mask input of your "
+            "own), or train that model on one worker."
+        )
+
+
 def check_inputs(model, x, y=None, sample_weight=None, prefix: str = "") -> None:
     """`check_arrays`, then `check_class_labels` of `y` for `model`."""
     check_arrays(x, y, sample_weight, prefix)

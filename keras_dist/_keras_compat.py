@@ -100,7 +100,10 @@ def _replica_spec(iterator):
 
     def local(s):
         values = getattr(s, "_value_specs", None)  # PerReplicaSpec
-        return values[0] if values else s
+        s = values[0] if values else s
+        # A `None` entry of the input structure (an optional input): Keras
+        # builds from `None` itself.
+        return None if type(s).__name__ == "NoneTensorSpec" else s
 
     return tf.nest.map_structure(local, spec)
 
@@ -452,12 +455,19 @@ def forget_collectives() -> None:
     that turns out to run multi-client DTensor, which configures its own)."""
     from tensorflow.python.eager import context
 
+    from tensorflow.python.distribute import collective_all_reduce_strategy
+
     ctx = context.context()
     ctx._collective_leader = None
     ctx._collective_scoped_allocator_enabled_ops = None
     ctx._collective_use_nccl_communication = None
     ctx._collective_device_filters = None
     ctx._coordination_service_config = None
+    ctx._collective_ops_server_def = None  # join_cluster_at_startup
+    extended = collective_all_reduce_strategy.CollectiveAllReduceExtended
+    if "_std_server_started" in vars(extended):
+        del extended._std_server_started
+        extended._enable_check_health = True
 
 
 def mirrored_strategy(devices, collective_key_base: int) -> tf.distribute.Strategy:

@@ -8,6 +8,8 @@ private Keras symbol they need is reached through `_keras_compat`.
 
 from __future__ import annotations
 
+import contextlib
+import re
 import types
 import warnings
 
@@ -34,6 +36,7 @@ def make_function(model, step_function, before_input=None):
         def step_function(data):
             return unchecked(check_labels(data))
 
+
     def next_input(iterator, get):
         if before_input is None:
             return get(iterator)
@@ -45,6 +48,8 @@ def make_function(model, step_function, before_input=None):
     def one_step_on_data(data):
         outputs = strategy.run(step_function, args=(data,))
         return _keras_compat.reduce_per_replica(outputs, strategy, "auto")
+
+    one_step_on_data = _warn_once(one_step_on_data, _local_replicas(strategy), model)
 
     # Inside the multi-step loop the step is inlined: a nested tf.function
     # called from a loop branch under MirroredStrategy loses its captured
@@ -95,6 +100,59 @@ def make_function(model, step_function, before_input=None):
             _liveness.step()
 
     return function
+
+
+def _warn_once(run_step, replicas: int, model=None):
+    """A cross-replica step (`data -> strategy.run(...)`) whose Python
+    warnings show once, as one device's run shows them.
+
+    A strategy traces the replica step once per local replica (in a thread
+    each), so a warning a layer or a loss raises while traced came N times
+    on N replicas. The replicas' warnings are collected around the whole
+    step (on the calling thread: warning filters are process-wide) and each
+    is shown as many times as one replica raised it. The first trace after
+    a symbolic build also leaves out what that build showed already
+    (`warnings_shown_once`).
+    """
+
+    def step(data):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outputs = run_step(data)
+        shown = model.__dict__.pop("_kd_warned", None) if model is not None else None
+        counts: dict = {}
+        for w in caught:
+            key = (str(w.message), w.category, w.filename, w.lineno)
+            counts.setdefault(key, [w, 0])[1] += 1
+        for (message, category, _, _), (w, count) in counts.items():
+            times = max(1, count // replicas)
+            if shown and (message, category) in shown:
+                times -= 1
+            for _ in range(times):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return outputs
+
+    return step
+
+
+@contextlib.contextmanager
+def warnings_shown_once(model):
+    """Shows the warnings raised inside now, and has `model`'s next traced
+    step leave them out (the same pass over the model, made again)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    # Untracked by Keras (a plain attribute of the instance).
+    model.__dict__["_kd_warned"] = {(str(w.message), w.category) for w in caught}
+
+
+def _local_replicas(strategy) -> int:
+    """How many replicas this process traces a replica step for."""
+    if _collectives.is_multi_worker(strategy):
+        return max(1, len(strategy.extended.worker_devices))
+    return strategy.num_replicas_in_sync
 
 
 def _get_next_as_optional(iterator):
@@ -256,6 +314,10 @@ def make_predict_function(model):
     def one_step_on_data_distributed(data):
         outputs = strategy.run(one_step_on_data, args=(data[0],))
         return _keras_compat.reduce_per_replica(outputs, strategy, "concat")
+
+    one_step_on_data_distributed = _warn_once(
+        one_step_on_data_distributed, _local_replicas(strategy), model
+    )
 
     @tf.autograph.experimental.do_not_convert
     def multi_step_on_data(data):

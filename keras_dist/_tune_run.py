@@ -11,7 +11,12 @@ keras-tuner for the process's role, so that a plain keras-tuner script (a
   afresh (keras-tuner would have every process delete the shared project
   directory, the chief's included, while the others use it);
 - a worker of a trial group (`--workers-per-trial M > 1`) refuses a tuner
-  that cannot train one trial across the group, naming the fix.
+  that cannot train one trial across the group, naming the fix;
+- on a tuner worker, what the script prints after `search()` returns is
+  dropped: the chief prints the results, once, as one process would; the
+  chief's oracle shows one line per trial instead of keras-tuner's tables,
+  and is saved after every ended trial (a finished search run again with
+  `overwrite=False` trains nothing).
 
 keras_dist's own tuners (`keras_dist.tuner`) do the worker-side parts
 themselves; the chief's progress line is printed for every tuner.
@@ -100,9 +105,7 @@ def _quiet_after_search(search):
         if sys.stdout is not sys.__stdout__:
             sys.stdout = sys.__stdout__  # a second search() shows its progress
         result = search(self, *args, **kwargs)
-        _say("search done on this tuner worker: its further output goes to "
-             "its log only (the chief prints the results)")
-        sys.stdout = _Discard()
+        sys.stdout = _Discard()  # see docs/tuner.md: one process's output
         return result
 
     return quiet_after

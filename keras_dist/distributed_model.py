@@ -331,7 +331,11 @@ class DistributedModel(keras.Model):
         return cached[1]()
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        _keras_compat.symbolic_build(self, iterator=iterator, data_batch=data_batch)
+        # A pass over the model that one device does not make (it builds
+        # while tracing its first step): what it warns is shown now, and
+        # not again when that first step is traced (see `_steps._warn_once`).
+        with _steps.warnings_shown_once(self):
+            _keras_compat.symbolic_build(self, iterator=iterator, data_batch=data_batch)
 
     # -- fit / evaluate / predict ------------------------------------------
 
@@ -363,14 +367,16 @@ class DistributedModel(keras.Model):
         share of every global batch.
         """
         strategy = self._kd_strategy
+        multi_worker = _collectives.is_multi_worker(strategy)
         _input_checks.check_fit_arguments(epochs, initial_epoch, validation_split)
+        _input_checks.check_no_missing_inputs(multi_worker, x)
         _input_checks.check_inputs(self, x, y, sample_weight)
         if isinstance(validation_data, (tuple, list)):
-            _input_checks.check_inputs(
-                self,
-                *keras.utils.unpack_x_y_sample_weight(tuple(validation_data)),
-                prefix="validation_data's ",
+            validation = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
+            _input_checks.check_no_missing_inputs(
+                multi_worker, validation[0], prefix="validation_data's "
             )
+            _input_checks.check_inputs(self, *validation, prefix="validation_data's ")
         batch_size = _data.global_batch_size(
             strategy, x, batch_size, per_replica_batch_size
         )
@@ -534,6 +540,7 @@ class DistributedModel(keras.Model):
         strategy = self._kd_strategy
         full_batches = False
         if not kwargs.get("_use_cached_eval_dataset", False):
+            _input_checks.check_no_missing_inputs(_collectives.is_multi_worker(strategy), x)
             _input_checks.check_inputs(self, x, y, sample_weight)
         x = _data.protect_python_batches(strategy, x)
         if not kwargs.get("_use_cached_eval_dataset", False):
@@ -580,6 +587,7 @@ class DistributedModel(keras.Model):
         Predictions come back in input order, on every worker.
         """
         strategy = self._kd_strategy
+        _input_checks.check_no_missing_inputs(_collectives.is_multi_worker(strategy), x)
         _input_checks.check_arrays(x)
         batch_size = _data.global_batch_size(
             strategy, x, batch_size, per_replica_batch_size

@@ -178,7 +178,31 @@ def resolve_strategy(
         if spec == "tpu":
             strategy = _tpu(required=True)
             return strategy
+        _refuse_local_strategy_in_a_job(spec)
         return _mirrored(_local_devices())
+
+
+def _refuse_local_strategy_in_a_job(spec: str) -> None:
+    """A strategy over this process's devices alone, in a task of a
+    multi-worker job, is refused before it is made.
+
+    The task's runtime started as part of the job (see `_startup`): it
+    resolves every collective group with the job's leader, so a group of
+    this process's replicas alone meets the other workers' groups there and
+    its first step fails or waits forever. It would also train a model of
+    its own, apart from the job's.
+    """
+    from keras_dist import _startup
+
+    if _startup.configured:
+        raise ValueError(
+            f"Invalid value for argument `strategy`: {spec!r} spans this "
+            "process's devices only, but this process is a task of a "
+            "multi-worker job (TF_CONFIG, Slurm or keras-dist launch) and "
+            f"TensorFlow started as part of it. Received: strategy={spec!r}. "
+            "Use strategy='auto' (or 'multi_worker') to train with the "
+            "other workers, or run the script without the job's TF_CONFIG."
+        )
 
 
 def _default_strategy() -> tf.distribute.Strategy:

@@ -29,6 +29,9 @@ TOL = 1e-5
 # Cases whose logged loss is Keras' distribution-scaled loss (see
 # tests/test_parity.py); their weights are compared exactly all the same.
 LOSS_SCALED_IN_LOGS = ("custom_train_step",)
+# Cases refused under multi-worker training, before any step, with the
+# message part given (see docs/parity.md).
+REFUSED_ON_WORKERS = {"optional_input": "`None` for an optional input is not supported"}
 
 
 def data(n=N, d=D, classes=None):
@@ -272,6 +275,43 @@ for _optimizer in ("sgd", "adam"):
             f"`gradient_accumulation_steps=2`, {'SGD momentum' if _optimizer == 'sgd' else 'Adam'}"
             + (", `BatchNormalization`" if _batch_norm else ""),
         )
+
+
+class _Optional(keras.layers.Layer):
+    def call(self, a, b=None):
+        return a if b is None else a + b
+
+
+@case("optional_input", "`None` for an optional input in a dict of inputs")
+def _optional_input():
+    def build(kd):
+        a = keras.Input((D,), name="a")
+        b = keras.Input((D,), name="b", optional=True)
+        return keras.Model({"a": a, "b": b}, mlp_layers(_Optional()(a, b)))
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", metrics=["mae"])
+        x, y = data()
+        return fit_eval_predict(model, {"a": x, "b": None}, y)
+
+    return build, train
+
+
+@case("scipy_sparse", "SciPy sparse matrix input (`keras.Input(sparse=True)`)")
+def _scipy_sparse():
+    import scipy.sparse
+
+    def build(kd):
+        inputs = keras.Input((D,), sparse=True)
+        return keras.Model(inputs, keras.layers.Dense(1)(inputs))
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", metrics=["mae"])
+        x, y = data()
+        x = scipy.sparse.csr_matrix(np.where(np.abs(x) > 0.5, x, 0.0).astype("float32"))
+        return fit_eval_predict(model, x, y)
+
+    return build, train
 
 
 @case("dict_io", "dict inputs and outputs; loss, loss-weight and metric dicts")

@@ -218,3 +218,30 @@ def test_an_optimizer_attribute_that_is_not_an_optimizer():
     model = keras_dist.distribute(model, two_replicas())
     assert model.optimizer is True
     np.testing.assert_array_equal(model(x[:2]).numpy(), before)
+
+
+def test_a_warning_raised_while_traced_comes_once_as_on_one_device():
+    import warnings
+
+    class Warns(keras.layers.Layer):
+        def call(self, x):
+            warnings.warn("a layer's own warning")
+            return x
+
+    def counts(model):
+        model.compile("sgd", "mse")
+        x, y = data()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+            model.evaluate(x, y, batch_size=16, verbose=0)
+            model.predict(x, batch_size=16, verbose=0)
+        return sum("a layer's own warning" in str(w.message) for w in caught)
+
+    def build():
+        inputs = keras.Input((D,))
+        return keras.Model(inputs, keras.layers.Dense(1)(Warns()(inputs)))
+
+    plain = counts(build())
+    assert plain > 0
+    assert counts(keras_dist.distribute(build(), two_replicas())) == plain

@@ -14,7 +14,7 @@ import pytest
 
 from helpers import RequestCounter
 from multi_worker._cluster import run_workers
-from parity_cases import CASES, LOSS_SCALED_IN_LOGS, compare
+from parity_cases import CASES, LOSS_SCALED_IN_LOGS, REFUSED_ON_WORKERS, compare
 
 pytestmark = pytest.mark.multi_worker
 
@@ -41,6 +41,12 @@ def run_and_compare(tmp_path, names, first=()):
         epochs = len(split(ranks[0], "callbacks", "plain")["history/loss"])
         assert remote.by_run() == {"keras_dist": [epochs], "plain": [epochs, epochs]}
     for name in names:
+        if name in REFUSED_ON_WORKERS:
+            for rank, results in enumerate(ranks):
+                refused = str(results.get(f"{name}/refused", "not refused"))
+                if REFUSED_ON_WORKERS[name] not in refused:
+                    problems.append(f"{name} (worker {rank}): {refused}")
+            continue
         for rank, results in enumerate(ranks):
             distributed = split(results, name, "keras_dist")
             plain = split(results, name, "plain")
