@@ -6,7 +6,7 @@ Alone: a MirroredStrategy over 2 logical CPUs; under `keras-dist launch`:
 MultiWorkerMirroredStrategy. Each fit that runs past LIMIT_SECONDS dumps
 every thread's stack and exits 3 (a hang fails the test, never stalls it).
 Prints `THREADS <python threads> <os threads>` after the first round of
-inputs and at the end, and `DONE`.
+inputs and at the end, then one fit's progress (verbose=2) and `DONE`.
 """
 
 import faulthandler
@@ -82,4 +82,6 @@ for i in range(fits):
         print(threads(), flush=True)
     print(f"fit {i} {name} ok", flush=True)
 print(threads(), flush=True)
+# Keras' progress output (ProgbarLogger, verbose=2), as one process prints it.
+model.fit(x, y, batch_size=16, epochs=2, verbose=2)
 print("DONE", flush=True)

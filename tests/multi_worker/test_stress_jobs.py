@@ -37,6 +37,24 @@ def check(out: str, processes: int) -> None:
         assert os_end <= os_after_8 + 4, counts
 
 
+def progress(out: str, prefix: str = "") -> list[str]:
+    """Keras' verbose=2 lines (`Epoch 1/2`; `4/4 - 0s - 3ms/step - loss: 0.1`
+    as its step count and logged names: times and values vary)."""
+    found = []
+    for line in out.splitlines():
+        if not line.startswith(prefix):
+            continue
+        line = line[len(prefix):]
+        if re.match(r"Epoch \d+/\d+$", line):
+            found.append(line)
+        elif re.match(r"\d+/\d+ - ", line):
+            found.append(line.split(" ")[0] + " " + ",".join(re.findall(r"(\w+): ", line)))
+    return found
+
+
+ONE_PROCESS = {}
+
+
 def test_fifty_fits_on_a_mirrored_strategy(tmp_path):
     done = subprocess.run(
         [sys.executable, SCRIPT, str(FITS), str(LIMIT)], capture_output=True, text=True,
@@ -45,6 +63,8 @@ def test_fifty_fits_on_a_mirrored_strategy(tmp_path):
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
     check(out, 1)
+    ONE_PROCESS["progress"] = progress(done.stdout)
+    assert len(ONE_PROCESS["progress"]) == 4, done.stdout[-3000:]
 
 
 def test_fifty_fits_on_two_launched_workers(tmp_path):
@@ -56,3 +76,9 @@ def test_fifty_fits_on_two_launched_workers(tmp_path):
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
     check(out, 2)
+    # Progress output: the chief's alone, line for line what one process
+    # prints (the single-process run above, when it ran first).
+    chief, other = progress(done.stdout, "[worker 0] "), progress(done.stdout, "[worker 1] ")
+    assert len(chief) == 4 and other == [], done.stdout[-3000:]
+    if "progress" in ONE_PROCESS:
+        assert chief == ONE_PROCESS["progress"]
