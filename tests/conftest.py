@@ -18,6 +18,7 @@ collect_ignore = [
     "multi_worker/search_main.py",
     "multi_worker/parity_main.py",
     "multi_worker/keras_tuner_main.py",
+    "multi_worker/stress_main.py",
     "dtensor/golden_main.py",
     "reliability/jobs.py",
 ]
