@@ -1070,8 +1070,10 @@ INTERNALS = {
         "configure_coordination_service",
         "enable_collective_ops",
     ),
-    # join_cluster_at_startup builds the definition the strategy builds.
+    # cross_replica_updates: the switch maybe_merge_call reads.
     "tensorflow.python.distribute.merge_call_interim (source)": ("_use_merge_call",),
+    # join_cluster_at_startup builds the definition the strategy builds, and
+    # marks its server started.
     "tensorflow.python.distribute.collective_all_reduce_strategy.CollectiveAllReduceExtended (source)": (
         "_enable_check_health",
         "_std_server_started",

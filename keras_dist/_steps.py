@@ -36,7 +36,6 @@ def make_function(model, step_function, before_input=None):
         def step_function(data):
             return unchecked(check_labels(data))
 
-
     def next_input(iterator, get):
         if before_input is None:
             return get(iterator)
@@ -116,8 +115,7 @@ def _warn_once(run_step, replicas: int, model=None):
     """
 
     def step(data):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with _collected_warnings() as caught:
             outputs = run_step(data)
         shown = model.__dict__.pop("_kd_warned", None) if model is not None else None
         counts: dict = {}
@@ -128,8 +126,7 @@ def _warn_once(run_step, replicas: int, model=None):
             times = max(1, count // replicas)
             if shown and (message, category) in shown:
                 times -= 1
-            for _ in range(times):
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            _show(w, times)
         return outputs
 
     return step
@@ -139,13 +136,26 @@ def _warn_once(run_step, replicas: int, model=None):
 def warnings_shown_once(model):
     """Shows the warnings raised inside now, and has `model`'s next traced
     step leave them out (the same pass over the model, made again)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with _collected_warnings() as caught:
         yield
     for w in caught:
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        _show(w)
     # Untracked by Keras (a plain attribute of the instance).
     model.__dict__["_kd_warned"] = {(str(w.message), w.category) for w in caught}
+
+
+@contextlib.contextmanager
+def _collected_warnings():
+    """Every warning raised inside, held back (shown later with `_show`)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
+def _show(w, times: int = 1) -> None:
+    """Shows a held-back warning `times` times, through the caller's filters."""
+    for _ in range(times):
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def _local_replicas(strategy) -> int:
