@@ -5,8 +5,8 @@ Usage: stress_main.py FITS LIMIT_SECONDS
 Alone: a MirroredStrategy over 2 logical CPUs; under `keras-dist launch`:
 MultiWorkerMirroredStrategy. Each fit that runs past LIMIT_SECONDS dumps
 every thread's stack and exits 3 (a hang fails the test, never stalls it).
-Prints `THREADS <python threads> <os threads>` after the first round of
-inputs and at the end, then one fit's progress (verbose=2) and `DONE`.
+Prints `THREADS <python threads> <os threads>` after every fit from the
+second round of inputs on, then one fit's progress (verbose=2) and `DONE`.
 """
 
 import faulthandler
@@ -78,10 +78,9 @@ for i in range(fits):
     finally:
         faulthandler.cancel_dump_traceback_later()
     gc.collect()
-    if i == 2 * len(INPUTS) - 1:
+    if i >= len(INPUTS):
         print(threads(), flush=True)
     print(f"fit {i} {name} ok", flush=True)
-print(threads(), flush=True)
 # Keras' progress output (ProgbarLogger, verbose=2), as one process prints it.
 model.fit(x, y, batch_size=16, epochs=2, verbose=2)
 print("DONE", flush=True)

@@ -21,20 +21,26 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "stress_main.py")
 FITS, LIMIT = 50, 120
 
 
-def threads(out: str) -> list[tuple[int, int]]:
-    return [(int(a), int(b)) for a, b in re.findall(r"THREADS (\d+) (\d+)", out)]
+def threads(out: str, prefix: str) -> list[tuple[int, int]]:
+    return [(int(a), int(b)) for a, b in re.findall(rf"{re.escape(prefix)}THREADS (\d+) (\d+)", out)]
 
 
-def check(out: str, processes: int) -> None:
-    assert out.count("DONE") == processes, out[-6000:]
-    assert out.count(f"fit {FITS - 1} ") == processes, out[-6000:]
-    counts = threads(out)
-    assert len(counts) == 2 * processes, out[-3000:]
-    for (python_after_8, os_after_8), (python_end, os_end) in zip(counts[::2], counts[1::2]):
-        # Python threads: none left behind by a fit; OS threads: TensorFlow's
-        # pools are made once, nothing grows with the number of fits.
-        assert python_end <= python_after_8 + 1, counts
-        assert os_end <= os_after_8 + 4, counts
+def check(out: str, prefixes: list[str]) -> None:
+    assert out.count("DONE") == len(prefixes), out[-6000:]
+    assert out.count(f"fit {FITS - 1} ") == len(prefixes), out[-6000:]
+    window = 8
+    for prefix in prefixes:
+        counts = threads(out, prefix)
+        assert len(counts) == FITS - 4, out[-3000:]
+        # A process's steady thread count is the least seen over a window of
+        # fits: TensorFlow's and gRPC's pools start short-lived threads (up
+        # to a dozen more in one sample, measured), never more than a few
+        # for long. The steady count of the last fits must be that of the
+        # first: Python threads none more (one left per fit would be over 30),
+        # OS threads at most 2 more.
+        early, late = counts[:window], counts[-window:]
+        assert min(p for p, _ in late) <= min(p for p, _ in early), counts
+        assert min(o for _, o in late) <= min(o for _, o in early) + 2, counts
 
 
 def progress(out: str, prefix: str = "") -> list[str]:
@@ -62,7 +68,7 @@ def test_fifty_fits_on_a_mirrored_strategy(tmp_path):
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
-    check(out, 1)
+    check(out, [""])
     ONE_PROCESS["progress"] = progress(done.stdout)
     assert len(ONE_PROCESS["progress"]) == 4, done.stdout[-3000:]
 
@@ -75,7 +81,7 @@ def test_fifty_fits_on_two_launched_workers(tmp_path):
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
-    check(out, 2)
+    check(out, ["[worker 0] ", "[worker 1] "])
     # Progress output: the chief's alone, line for line what one process
     # prints (the single-process run above, when it ran first).
     chief, other = progress(done.stdout, "[worker 0] "), progress(done.stdout, "[worker 1] ")
