@@ -43,8 +43,8 @@ import threading
 import time
 
 from keras_dist import _cluster
+from keras_dist.launchers import elastic_policy as policy
 from keras_dist.launchers.supervisor import (
-    PREEMPTED_EXIT_CODE,
     Group,
     describe_exit,
     exit_status,
@@ -52,10 +52,7 @@ from keras_dist.launchers.supervisor import (
 )
 
 HEARTBEAT_SECONDS = 0.5
-STALE_SECONDS = 5.0
-# After a worker fails: how long the leader waits for the failures it
-# caused (and for a lost host's heartbeat to go stale) before regrouping.
-SETTLE_SECONDS = STALE_SECONDS + 1.0
+STALE_SECONDS = policy.STALE_SECONDS
 
 
 class Rendezvous:
@@ -186,9 +183,8 @@ class ElasticHost:
         self.hosts = hosts
         self.rank = rank
         self.rz = Rendezvous(rendezvous, rank, len(hosts))
-        self.min_workers = min_workers
-        self.rejoin_after = rejoin_after
-        self.max_restarts = max_restarts
+        self.job = policy.Job(len(hosts), min_workers, max_restarts, rejoin_after,
+                              timeouts.start)
         self.log_dir = log_dir
         self.grace_period = grace_period
         self.verbose = verbose
@@ -292,72 +288,25 @@ class ElasticHost:
     # -- leading -----------------------------------------------------------
 
     def _lead(self, number: int, generation: dict | None) -> None:
-        alive = self.rz.alive()
+        alive, now = self.rz.alive(), time.time()
         if generation is None:
-            waited = time.time() - self.started
-            if len(alive) == len(self.hosts) or (
-                    waited >= self.rejoin_after and len(alive) >= self.min_workers):
-                self._propose(1, alive, f"{len(alive)} of {len(self.hosts)} hosts are up",
-                              0)
-            elif self.timeouts.start is not None and waited >= self.timeouts.start:
-                self._propose(1, alive, f"{len(alive)} of {len(self.hosts)} hosts are "
-                              f"up after {self.timeouts.start:g}s (start_timeout)", 0)
-            return
-        members = generation["members"]
-        restarts = generation["restarts"]
-        if number != self._lead_generation:
-            self._lead_generation, self._lost_since = number, None
-        exits = self.rz.exits(number)
-        lost = [m for m in members if m not in alive]
-        failed = {r: e for r, e in exits.items() if e["code"] != 0}
-        if failed:
-            first = min(failed, key=lambda r: failed[r]["time"])
-            if time.time() - failed[first]["time"] < SETTLE_SECONDS:
-                return
-            record = failed[first]
-            reason = f"host {first}'s worker {describe_exit(record['code'])}"
-            if lost and record["code"] == PREEMPTED_EXIT_CODE:
-                members = alive
-                reason = (f"host(s) {lost} left, preempted (the workers saved a "
-                          "backup and exited 42)")
-            elif lost:
-                members = alive
-                reason = (f"host(s) {lost} lost (no heartbeat for {STALE_SECONDS:g}s; "
-                          f"{reason})")
-            elif record["code"] == PREEMPTED_EXIT_CODE:
-                # A preempted host's launcher leaves after its worker saved;
-                # the others go on, not counting a restart.
-                reason += " (preempted: it saved a backup)"
-                members = alive
-            elif restarts < self.max_restarts:
-                restarts += 1
-                reason += f" (restart {restarts}/{self.max_restarts})"
-                members = alive
-            else:
-                members = [m for m in alive if m != first]
-                reason += f" and the restarts are used up ({restarts}/{self.max_restarts})"
-            self._propose(number + 1, members, reason, restarts)
-        elif lost:
-            # Give the exits a lost host caused (or its preemption record)
-            # time to come in first.
-            self._lost_since = self._lost_since or time.time()
-            if time.time() - self._lost_since >= SETTLE_SECONDS:
-                self._propose(number + 1, alive, f"host(s) {lost} lost (no heartbeat "
-                              f"for {STALE_SECONDS:g}s)", restarts)
-        elif (set(alive) - set(members)
-              and time.time() - generation["time"] >= self.rejoin_after):
-            back = sorted(set(alive) - set(members))
-            self._propose(number + 1, alive, f"host(s) {back} are up again "
-                          f"({self.rejoin_after:g}s after generation {number} began)",
-                          restarts, save_first=True)
+            proposal = policy.first_generation(self.job, alive, now - self.started)
+            number = 0
+        else:
+            if number != self._lead_generation:
+                self._lead_generation, self._lost_since = number, None
+            proposal, self._lost_since = policy.next_generation(
+                self.job, number, generation, alive, self.rz.exits(number), now,
+                self._lost_since)
+        if proposal is not None:
+            self._propose(number + 1, proposal)
 
-    def _propose(self, number: int, members: list[int], reason: str, restarts: int,
-                 save_first: bool = False):
-        if len(members) < self.min_workers:
-            reason = (f"{reason}: {len(members)} host(s) left, fewer than "
-                      f"min_workers={self.min_workers}")
+    def _propose(self, number: int, proposal: policy.Proposal) -> None:
+        if policy.ends_the_job(self.job, proposal):
             code = next((e["code"] for e in self.rz.exits(number - 1).values()
                          if e["code"] != 0), 1)
-            self.rz.finish("failed", {"reason": reason, "code": exit_status(code)})
+            self.rz.finish("failed", {"reason": policy.failure_reason(self.job, proposal),
+                                      "code": exit_status(code)})
             return
-        self.rz.propose(number, members, reason, restarts, save_first)
+        self.rz.propose(number, list(proposal.members), proposal.reason, proposal.restarts,
+                        proposal.save_first)
