@@ -6,6 +6,16 @@ import numbers
 import os
 
 
+def is_positive_int(value) -> bool:
+    """An int (Python's or NumPy's, not a bool) above 0."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
+
+
+def is_positive_number(value) -> bool:
+    """A real number (not a bool) above 0."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
+
+
 def check_script(script, kind: str, module: bool = False) -> None:
     if module:
         if not isinstance(script, str) or not _module_exists(script):

@@ -9,7 +9,6 @@ private Keras symbol they need is reached through `_keras_compat`.
 from __future__ import annotations
 
 import contextlib
-import re
 import types
 import warnings
 

@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
+from keras_dist import _checks
 from keras_dist._checks import check_log_dir
 from keras_dist.strategy import worker_info
 
@@ -266,7 +267,7 @@ class PerReplicaMetrics(keras.callbacks.Callback):
         straggler_steps: int = 20,
     ):
         super().__init__()
-        if update_freq != "epoch" and not _is_positive_int(update_freq):
+        if update_freq != "epoch" and not _checks.is_positive_int(update_freq):
             raise ValueError(
                 "Invalid value for argument `update_freq`. Expected \"epoch\" "
                 f"or a positive integer. Received: update_freq={update_freq!r}"
@@ -300,7 +301,7 @@ class PerReplicaMetrics(keras.callbacks.Callback):
                 "Invalid value for argument `straggler_factor`. Expected a "
                 f"number > 1. Received: straggler_factor={straggler_factor!r}"
             )
-        if not _is_positive_int(straggler_steps):
+        if not _checks.is_positive_int(straggler_steps):
             raise ValueError(
                 "Invalid value for argument `straggler_steps`. Expected a "
                 f"positive integer. Received: straggler_steps={straggler_steps!r}"
@@ -588,11 +589,3 @@ class _Window:
         waited = delta[:, _WAITED].reshape(run["workers"], run["per_worker"])
         busy = (wall - waited.min(axis=1)) / steps
         return np.maximum(busy, 0.0), wall
-
-
-def _is_positive_int(value) -> bool:
-    return (
-        isinstance(value, numbers.Integral)
-        and not isinstance(value, bool)
-        and value > 0
-    )

@@ -575,7 +575,7 @@ class ShardedModel(keras.Model):
 
     # -- backups (keras_dist.callbacks.BackupAndRestore) --------------------
 
-    def _backup_variables(self) -> dict[str, list]:
+    def __keras_dist_backup_variables__(self) -> dict[str, list]:
         """Host variables holding the live training state, refreshed now
         from the shards: what keras_dist's `BackupAndRestore` writes and
         restores. Whole arrays (not shards), so a backup resumes on any mesh.
@@ -602,8 +602,8 @@ class ShardedModel(keras.Model):
             target.assign(self._get(source.value))
         return {"model": list(mirror), "optimizer": list(host)}
 
-    def _restore_backup_variables(self) -> None:
-        """Scatters the host variables of `_backup_variables` (just read
+    def __keras_dist_restore_backup_variables__(self) -> None:
+        """Scatters the host variables of `__keras_dist_backup_variables__` (just read
         from a backup) onto the shards, in this mesh's layouts."""
         self._scatter(self._kd.model.variables, [v.numpy() for v in self.mirror.variables])
         self._scatter(self.optimizer.variables,
