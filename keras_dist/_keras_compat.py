@@ -52,12 +52,13 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import random as keras_tf_random
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.losses import loss as keras_loss
-from keras.src.random import seed_generator as keras_random
-from keras.src.trainers.data_adapters import array_data_adapter as keras_array_adapter
-from keras.src.trainers.data_adapters import tf_dataset_adapter as keras_tf_dataset_adapter
 from keras.src.models.functional import Functional  # noqa: F401 (re-exported)
 from keras.src.models.model import functional_init_arguments  # noqa: F401 (re-exported)
-
+from keras.src.random import seed_generator as keras_random
+from keras.src.trainers.data_adapters import array_data_adapter as keras_array_adapter
+from keras.src.trainers.data_adapters import (
+    tf_dataset_adapter as keras_tf_dataset_adapter,
+)
 
 TESTED_KERAS_VERSIONS = ("3.15",)
 
@@ -277,8 +278,7 @@ def join_cluster_at_startup(cluster_spec, task_type: str, task_id: int) -> None:
     strategy keep working. The definition is the strategy's own: the
     context's configuration with `_update_config_proto`'s changes.
     """
-    from tensorflow.core.protobuf import rewriter_config_pb2
-    from tensorflow.core.protobuf import tensorflow_server_pb2
+    from tensorflow.core.protobuf import rewriter_config_pb2, tensorflow_server_pb2
     from tensorflow.python.distribute import multi_worker_util
     from tensorflow.python.eager import context
 
@@ -453,9 +453,8 @@ def _broadcast_shape(inputs, axes):
 def forget_collectives() -> None:
     """Undoes `configure_collectives` before the runtime starts (a process
     that turns out to run multi-client DTensor, which configures its own)."""
-    from tensorflow.python.eager import context
-
     from tensorflow.python.distribute import collective_all_reduce_strategy
+    from tensorflow.python.eager import context
 
     ctx = context.context()
     ctx._collective_leader = None

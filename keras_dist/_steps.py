@@ -15,10 +15,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from keras_dist import _collectives
-from keras_dist import _input_checks
-from keras_dist import _keras_compat
-from keras_dist import _liveness
+from keras_dist import _collectives, _input_checks, _keras_compat, _liveness
 
 
 def make_function(model, step_function, before_input=None):
@@ -230,7 +227,7 @@ def train_step(model, data, *, even_batches: bool = False, gradient_monitor=None
         else:
             model.optimizer.apply_gradients(zip(gradients, model.trainable_weights))
     else:
-        warnings.warn("The model does not have any trainable weights.")
+        warnings.warn("The model does not have any trainable weights.")  # noqa: B028 (as Keras)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 

@@ -145,8 +145,7 @@ def _prepare_chief(init):
 
 def _prepare_worker(init, in_group: bool):
     """Wraps `BaseTuner.__init__` on a tuner worker."""
-    from keras_dist.tuner.distributed_tuner import DistributedTuner
-    from keras_dist.tuner.distributed_tuner import worker_overwrite
+    from keras_dist.tuner.distributed_tuner import DistributedTuner, worker_overwrite
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):

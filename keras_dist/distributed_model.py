@@ -13,17 +13,16 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_dist import _collectives
-from keras_dist import _data
-from keras_dist import _fit_session
-from keras_dist import _input_checks
-from keras_dist import _keras_compat
-from keras_dist import _steps
+from keras_dist import (
+    _collectives,
+    _data,
+    _fit_session,
+    _input_checks,
+    _keras_compat,
+    _steps,
+)
 from keras_dist._keras_compat import Functional, functional_init_arguments
-from keras_dist.strategy import StrategySpec
-from keras_dist.strategy import is_default
-from keras_dist.strategy import resolve_strategy
-from keras_dist.strategy import worker_info
+from keras_dist.strategy import StrategySpec, is_default, resolve_strategy, worker_info
 
 
 def _scope(strategy: tf.distribute.Strategy):

@@ -19,9 +19,7 @@ from typing import Literal, Union
 
 import tensorflow as tf
 
-from keras_dist import _keras_compat
-from keras_dist import _cluster
-from keras_dist import _liveness
+from keras_dist import _cluster, _keras_compat, _liveness
 from keras_dist._cluster import LAUNCHED_ENV
 
 StrategySpec = Union[

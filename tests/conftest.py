@@ -22,3 +22,22 @@ collect_ignore = [
     "dtensor/golden_main.py",
     "reliability/jobs.py",
 ]
+
+# The edit loop (`python -m pytest -m fast`, under 2 minutes on 2 cores):
+# static checks (API snapshot, architecture and compat pins, docs), argument
+# and policy checks against fakes. No TensorFlow job is started and no model
+# trained beyond a few steps. A test here that grows past a second or starts
+# a training process moves out (`--durations` shows it).
+FAST_MODULES = {
+    "test_api.py", "test_architecture.py", "test_keras_compat.py", "test_docs.py",
+    "test_elastic_policy.py", "test_rendezvous.py", "test_cluster.py", "test_launcher.py",
+    "test_strategy.py", "test_collectives.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        if item.path.name in FAST_MODULES and item.get_closest_marker("multi_worker") is None:
+            item.add_marker(pytest.mark.fast)

@@ -3,7 +3,8 @@
 - No import cycle between keras_dist's modules (function-level imports
   included; package `__init__` files, which only re-export, left out).
 - `_kd_*` attributes stay inside the module that defines them: what one
-  `fit` shares with its callbacks goes through `_fit_session.FitSession`.
+  `fit` shares with its callbacks goes through `_fit_session.FitSession`;
+  and so does every other private name (`_x` is its module's own).
 - A model's `train_function` is assigned in `_fit_session.py` and
   `DistributedModel.make_train_function` only.
 - `DistributedModel` does not look for callbacks by type.
@@ -158,3 +159,68 @@ def test_distributed_model_does_not_search_callbacks_by_type():
         if isinstance(node, ast.ImportFrom) and "callbacks" in (node.module or "")
     ]
     assert imports == []
+
+
+def private_names_defined(tree) -> set:
+    """The `_private` names a module defines: module-level functions, classes
+    and assignments, class members, and attributes it assigns (`x._y = ...`)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            found.add(node.attr)
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("setattr", "delattr"):
+            if len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
+                found.add(str(node.args[1].value))
+    return {n for n in found if n.startswith("_") and not n.startswith("__")}
+
+
+def private_reads(name, tree, known_modules, imports_only=False):
+    """(line, what) for each private name this module reads from elsewhere:
+    `from keras_dist.m import _x`, `obj._x` and `getattr(obj, "_x")` on
+    anything but self/cls."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("keras_dist"):
+            for alias in node.names:
+                if (alias.name.startswith("_") and not alias.name.startswith("__")
+                        and f"{node.module}.{alias.name}" not in known_modules):
+                    yield node.lineno, alias.name
+        elif (not imports_only and isinstance(node, ast.Attribute)
+              and isinstance(node.ctx, ast.Load)
+              and node.attr.startswith("_") and not node.attr.startswith("__")
+              and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            yield node.lineno, node.attr
+        elif (not imports_only and isinstance(node, ast.Call)
+              and ast.unparse(node.func) in ("getattr", "hasattr") and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+              and node.args[1].value.startswith("_") and not node.args[1].value.startswith("__")
+              and not (isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls"))):
+            yield node.lineno, node.args[1].value
+
+
+def test_no_private_name_is_read_outside_the_module_that_defines_it():
+    """The `_kd_` rule, for every private name: a module's `_x` is its own.
+
+    A name keras_dist defines in one module and reads in another is an
+    interface: make it public (no underscore) in a private module, or pass
+    it through `_fit_session.FitSession`. Private Keras/TensorFlow and
+    keras-tuner names are read in the compat modules only (see
+    test_keras_compat.py); some coincide with a name keras_dist defines
+    where it overrides them (`Tuner._build_hypermodel`), so attribute reads
+    in the compat modules are theirs, not counted here (their imports are).
+    """
+    trees = dict(modules())
+    known_modules = set(trees) | {n.rsplit(".", 1)[0] for n in trees}
+    defined = {name: private_names_defined(tree) for name, tree in trees.items()}
+    ours = set().union(*defined.values())
+    crossing = sorted(
+        f"{name}:{line} reads {attr} (defined in "
+        f"{sorted(m for m, names in defined.items() if attr in names)})"
+        for name, tree in trees.items()
+        for line, attr in private_reads(name, tree, known_modules, name.endswith("_compat"))
+        if attr in ours and attr not in defined[name]
+    )
+    assert not crossing, "\n".join(crossing)

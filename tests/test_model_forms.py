@@ -225,7 +225,7 @@ def test_a_warning_raised_while_traced_comes_once_as_on_one_device():
 
     class Warns(keras.layers.Layer):
         def call(self, x):
-            warnings.warn("a layer's own warning")
+            warnings.warn("a layer's own warning")  # noqa: B028 (as a user writes it)
             return x
 
     def counts(model):

@@ -43,7 +43,7 @@ def test_mirrored_strategies_of_different_sizes_coexist():
 
         @tf.function
         def count():
-            return s.run(
+            return s.run(  # noqa: B023 (called in this iteration)
                 lambda: tf.distribute.get_replica_context().all_reduce(
                     "SUM", tf.constant(1.0)
                 )

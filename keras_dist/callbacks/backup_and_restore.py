@@ -16,8 +16,15 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _backup_store as store
-from keras_dist import _checks, _collectives, _data, _exit_codes, _fit_session, _keras_compat
-from keras_dist import _resume
+from keras_dist import (
+    _checks,
+    _collectives,
+    _data,
+    _exit_codes,
+    _fit_session,
+    _keras_compat,
+    _resume,
+)
 from keras_dist.callbacks import _callback_states as callback_states
 from keras_dist.callbacks import _preemption
 from keras_dist.callbacks._sibling_hooks import SiblingHooks

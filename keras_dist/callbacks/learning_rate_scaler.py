@@ -10,8 +10,7 @@ from typing import Literal
 import keras
 import tensorflow as tf
 
-from keras_dist import _fit_session
-from keras_dist import _keras_compat
+from keras_dist import _fit_session, _keras_compat
 from keras_dist.strategy import worker_info
 
 Rule = Literal["linear", "sqrt", "none"]
@@ -375,7 +374,7 @@ class LearningRateScaler(keras.callbacks.Callback):
             )
         strategy = model.distribute_strategy
         # A ShardedModel's data-parallel degree is its mesh's "batch" axis.
-        sharded = getattr(model, "_data_parallel_size", None)
+        sharded = getattr(model, "__keras_dist_data_parallel_size__", None)
         replicas = sharded() if sharded is not None else strategy.num_replicas_in_sync
         if self.base_batch_size is None:
             factor = float(replicas)

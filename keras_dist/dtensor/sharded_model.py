@@ -387,7 +387,7 @@ class ShardedModel(keras.Model):
 
     # -- steps -------------------------------------------------------------
 
-    def _data_parallel_size(self) -> int:
+    def __keras_dist_data_parallel_size__(self) -> int:
         """How many ways each batch splits (the mesh's "batch" axis): the
         factor keras_dist's `LearningRateScaler` scales by."""
         return self._batch_split()

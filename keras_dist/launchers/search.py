@@ -6,9 +6,7 @@ import os
 import time
 from collections.abc import Sequence
 
-from keras_dist import _cluster
-from keras_dist import _liveness
-from keras_dist import _netns
+from keras_dist import _cluster, _liveness, _netns
 from keras_dist._checks import (
     check_count,
     check_launch_arguments,
@@ -19,11 +17,11 @@ from keras_dist.launchers.supervisor import (
     HANG_EXIT_CODE,
     Group,
     await_exit,
-    python_command,
     describe_exit,
     exit_status,
-    say,
     forwarded_signals,
+    python_command,
+    say,
     stop_workers,
 )
 

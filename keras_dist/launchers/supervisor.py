@@ -20,12 +20,10 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from keras_dist import _cluster
-from keras_dist import _exit_codes
-from keras_dist import _liveness
+from keras_dist import _cluster, _exit_codes, _liveness
 
 _TAIL_LINES = 40
 HANG_EXIT_CODE = _exit_codes.HANG

@@ -7,9 +7,7 @@ import os
 import time
 from collections.abc import Sequence
 
-from keras_dist import _cluster
-from keras_dist import _liveness
-from keras_dist import _netns
+from keras_dist import _cluster, _liveness, _netns
 from keras_dist._checks import check_count, check_launch_arguments, check_seconds
 from keras_dist.launchers.rendezvous import ElasticHost
 from keras_dist.launchers.supervisor import (

@@ -10,18 +10,24 @@ from __future__ import annotations
 
 # Public.
 import numpy as np
-from keras_tuner import HyperParameters  # noqa: F401
-from keras_tuner import synchronized  # noqa: F401
+from keras_tuner import (
+    HyperParameters,  # noqa: F401
+    synchronized,  # noqa: F401
+)
 from keras_tuner.engine.base_tuner import BaseTuner  # noqa: F401
-from keras_tuner.engine.trial import Trial  # noqa: F401
-from keras_tuner.engine.trial import TrialStatus  # noqa: F401
+from keras_tuner.engine.trial import (
+    Trial,  # noqa: F401
+    TrialStatus,  # noqa: F401
+)
 from keras_tuner.engine.tuner import maybe_distribute  # noqa: F401
 from keras_tuner.oracles import BayesianOptimizationOracle
 
 # Internal: keras-tuner's distributed mode has no public path.
 from keras_tuner.src import protos  # noqa: F401
-from keras_tuner.src.distribute import oracle_chief  # noqa: F401
-from keras_tuner.src.distribute import oracle_client  # noqa: F401
+from keras_tuner.src.distribute import (
+    oracle_chief,  # noqa: F401
+    oracle_client,  # noqa: F401
+)
 from keras_tuner.src.distribute import utils as _distribute_utils
 from keras_tuner.src.distribute.oracle_chief import OracleServicer  # noqa: F401
 from keras_tuner.src.utils import load_json  # noqa: F401

@@ -18,7 +18,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import numpy as np  # noqa: E402
 
-import keras_dist  # noqa: E402
+import keras_dist  # noqa: E402, F401  (imported as users write it)
 from keras_dist.tuner import RandomSearch  # noqa: E402
 
 import keras  # noqa: E402

@@ -75,7 +75,7 @@ KERAS_TUNER_SCRIPT = os.path.join(os.path.dirname(__file__), "keras_tuner_main.p
 def test_a_plain_keras_tuner_script_runs_unchanged(tmp_path):
     # keras_tuner.RandomSearch(..., overwrite=True), as keras-tuner's docs
     # write it; the second run overwrites the first one's directory.
-    for attempt in range(2):
+    for _ in range(2):
         job = tune(tmp_path, "--num-workers", "2", script=KERAS_TUNER_SCRIPT)
         assert job.returncode == 0, explain(job)
         trials = [line for line in job.stdout.splitlines()

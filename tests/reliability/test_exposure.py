@@ -21,7 +21,7 @@ pytestmark = pytest.mark.multi_worker
 def listeners(port: int) -> list[str]:
     """Local addresses listening on `port` in this process's network namespace."""
     found = []
-    for name, width in (("tcp", 8), ("tcp6", 32)):
+    for name, _width in (("tcp", 8), ("tcp6", 32)):
         with open(f"/proc/net/{name}") as f:
             for line in f.readlines()[1:]:
                 fields = line.split()
