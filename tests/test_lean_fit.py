@@ -12,6 +12,8 @@ import tensorflow as tf
 
 import keras_dist
 from keras_dist import _keras_compat
+from keras_dist._keras_compat import distribute as compat_distribute
+from keras_dist._keras_compat import iterators as compat_iterators
 
 
 def _replica_logs():
@@ -37,7 +39,7 @@ def test_log_means_are_packed_into_one_reduction_per_dtype():
 
     @tf.function
     def packed():
-        return _keras_compat._packed_mean(strategy.run(_replica_logs), strategy)
+        return compat_distribute._packed_mean(strategy.run(_replica_logs), strategy)
 
     @tf.function
     def one_by_one():
@@ -234,7 +236,7 @@ def test_only_input_that_tensorflow_produces_is_released_in_the_background():
         inputs = data if isinstance(data, tuple) else (data, None)
         adapter = get_data_adapter(*inputs, batch_size=4 if name == "arrays" else None,
                                    steps_per_epoch=4)
-        got[name] = _keras_compat._tensorflow_fed(adapter)
+        got[name] = compat_iterators._tensorflow_fed(adapter)
     assert got == {"arrays": True, "tf.data": True, "from_generator": False,
                    "py_function": False, "zipped generator": False,
                    "interleaved generator": False, "PyDataset": False,

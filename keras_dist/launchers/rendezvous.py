@@ -45,6 +45,7 @@ import time
 from keras_dist import _cluster
 from keras_dist.launchers import elastic_policy as policy
 from keras_dist.launchers.supervisor import (
+    HANG_EXIT_CODE,
     Group,
     describe_exit,
     exit_status,
@@ -270,7 +271,7 @@ class ElasticHost:
                 return None
             self.group.report_hang(*hung)
             self.group.stop()
-            code = 124
+            code = HANG_EXIT_CODE
         self.group.workers[0].reader.join(timeout=5)
         self.group.stop()
         self.group = None

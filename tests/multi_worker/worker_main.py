@@ -197,6 +197,7 @@ elif scenario == "lean":
     import weakref
 
     from keras_dist import _keras_compat
+    from keras_dist._keras_compat import iterators as compat_iterators
 
     created, iterators = [], []
     original_iter = input_lib.DistributedDataset.__iter__
@@ -250,7 +251,7 @@ elif scenario == "lean":
     results["mae"] = np.array(history.history["mae"])
     # Iterators over arrays are torn down on the release thread; a PyDataset
     # (Python feeds its prefetch thread) where Keras drops them.
-    background = _keras_compat._RELEASE_QUEUE is not None
+    background = compat_iterators._RELEASE_QUEUE is not None
 
     class Batches(keras.utils.PyDataset):
         def __len__(self):

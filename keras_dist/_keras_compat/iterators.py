@@ -1,0 +1,291 @@
+"""Keras' epoch iterators made lean: iterators created on first use and
+counted, torn down on a release thread (joined at exit, forgotten in a
+forked child), tf.data graphs inspected for Python ops, partial-batch
+handling off for evenly split input.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import queue
+import sys
+import threading
+
+import tensorflow as tf
+from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+from keras.src.trainers.data_adapters import array_data_adapter as keras_array_adapter
+from keras.src.trainers.data_adapters import (
+    tf_dataset_adapter as keras_tf_dataset_adapter,
+)
+
+from keras_dist._keras_compat.distribute import is_multi_worker
+
+
+class _LazyIterator:
+    """An iterator over a `DistributedDataset`, created on first use.
+
+    Keras' epoch iterator creates the next epoch's iterator at the end of
+    every epoch and, without `steps_per_epoch`, creates another at the start
+    of the next one, dropping the first: under multi-worker training each
+    costs ~70 ms to create and more to tear down (its prefetch threads have
+    started). Created lazily, an unused one costs nothing, and `cursor`
+    (if any) counts the iterators actually created (each consumes one draw
+    of a seeded shuffle), which is what a resumed run replays.
+
+    `background_release`: the iterator, once dropped, is torn down on a
+    background thread (see `_LazyDataset`); otherwise where it is dropped,
+    as Keras does.
+    """
+
+    def __init__(self, dataset, cursor, background_release):
+        self._dataset = dataset
+        self._cursor = cursor
+        self._background_release = background_release
+        self._iterator = None
+
+    def materialize(self):
+        if self._iterator is None:
+            if self._cursor is not None:
+                self._cursor.on_iterator_created()
+            self._iterator = iter(self._dataset)
+        return self._iterator
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.materialize())
+
+    def __del__(self):
+        iterator = self.__dict__.pop("_iterator", None)
+        if iterator is not None and self.__dict__.get("_background_release"):
+            _release_later(iterator)
+
+    def __getattr__(self, name):
+        return getattr(self.materialize(), name)
+
+
+_RELEASE_QUEUE: "queue.SimpleQueue | None" = None
+
+
+_RELEASE_DONE = object()
+
+
+_RELEASE_CLOSED = False  # set at exit: later releases happen in place
+
+
+def _release_later(iterator) -> None:
+    """Drops the last reference to `iterator` on a background thread.
+
+    The thread is joined at exit (a teardown cut short by interpreter
+    shutdown aborts the process).
+    """
+    global _RELEASE_QUEUE
+    if _RELEASE_CLOSED or sys.is_finalizing():
+        # At exit: dropped here (no thread can start while Python ends; a
+        # start then blocks forever).
+        return
+    if _RELEASE_QUEUE is None:
+        _RELEASE_QUEUE = queue.SimpleQueue()
+
+        def release(pending=_RELEASE_QUEUE):
+            while True:
+                item = pending.get()
+                if item is _RELEASE_DONE:
+                    return
+                if isinstance(item, threading.Event):
+                    item.set()  # wait_for_released_iterators
+                del item
+
+        thread = threading.Thread(
+            target=release, name="keras_dist-iterator-release", daemon=True
+        )
+        thread.start()
+
+        def finish(pending=_RELEASE_QUEUE):
+            global _RELEASE_CLOSED
+            _RELEASE_CLOSED = True
+            pending.put(_RELEASE_DONE)
+            thread.join(timeout=60)
+
+        atexit.register(finish)
+    _RELEASE_QUEUE.put(iterator)
+
+
+def _forget_release_thread() -> None:
+    global _RELEASE_QUEUE
+    _RELEASE_QUEUE = None  # a forked child starts its own thread when needed
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_release_thread)
+
+
+def wait_for_released_iterators(timeout: float = 300.0) -> bool:
+    """Waits until every iterator handed to the release thread is released.
+
+    Returns False if `timeout` seconds passed first.
+    """
+    if _RELEASE_QUEUE is None:
+        return True
+    done = threading.Event()
+    _RELEASE_QUEUE.put(done)
+    return done.wait(timeout)
+
+
+def materialize(iterator):
+    """The real iterator behind one `fit` hands its train function."""
+    if isinstance(iterator, _LazyIterator):
+        return iterator.materialize()
+    return iterator
+
+
+class _LazyDataset:
+    """Stands in for a `DistributedDataset` Keras iterates: lazy iterators.
+
+    `background_release`: tear down dropped iterators on a background thread.
+    Under multi-worker training, tearing down a distributed iterator that a
+    train function used blocks for 1-6 s (measured at every epoch
+    boundary); off the training thread, training goes on. Only for input
+    that TensorFlow alone produces (`_tensorflow_fed`): the teardown holds
+    Python's lock while it waits for the input's prefetch thread, and a
+    prefetch thread that calls Python (a `PyDataset`, a generator,
+    `py_function`) waits for that lock: the release thread would hang
+    forever (and abort the process at exit). Such iterators are torn down
+    where Keras drops them, as in Keras.
+    """
+
+    def __init__(self, dataset, cursor=None, background_release=False):
+        self._dataset = dataset
+        self._cursor = cursor
+        self._background_release = background_release
+
+    def __iter__(self):
+        return _LazyIterator(self._dataset, self._cursor, self._background_release)
+
+    def __getattr__(self, name):
+        return getattr(self._dataset, name)
+
+
+_PYTHON_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+
+
+def _tensorflow_fed(adapter) -> bool:
+    """Whether TensorFlow alone produces an input's batches (no Python call).
+
+    Arrays, and `tf.data` pipelines without `from_generator` or
+    `py_function` anywhere (keras_dist's own array input is one by the time
+    Keras sees it).
+    """
+    if isinstance(adapter, keras_array_adapter.ArrayDataAdapter):
+        return True
+    if not isinstance(adapter, keras_tf_dataset_adapter.TFDatasetAdapter):
+        return False  # a PyDataset, a generator, a torch or grain loader
+    seen, pending = set(), [adapter.get_tf_dataset()]
+    while pending:
+        dataset = pending.pop()
+        if id(dataset) in seen:
+            continue
+        seen.add(id(dataset))
+        for value in vars(dataset).values():
+            # A transformation's function (map, flat_map, filter, ...).
+            function = getattr(value, "function", None)
+            graph = getattr(function, "graph", None)
+            if graph is not None:
+                if any(t.dtype == tf.variant for t in function.captured_inputs):
+                    return False  # captures a dataset built outside: unknown
+                definition = graph.as_graph_def()
+                ops = {node.op for node in definition.node}
+                for function in definition.library.function:
+                    ops.update(node.op for node in function.node_def)
+                if ops & _PYTHON_OPS:
+                    return False
+        pending.extend(dataset._inputs())
+    return True
+
+
+@contextlib.contextmanager
+def lean_epoch_iterators(cursor=None, full_batches: bool = False):
+    """Keras' epoch iterators without their per-epoch and per-step waste.
+
+    While open, every `TFEpochIterator` Keras makes (the input of `fit`,
+    `evaluate`, `predict`, and `fit`'s validation data) hands out iterators
+    created on first use and released on a background thread
+    (`_LazyIterator`, `_LazyDataset`). The first one made is the call's
+    own input:
+
+    - `cursor` (optional) counts the iterators created on it. The order of
+      a seeded shuffle (`Dataset.shuffle(seed=...)`) depends on how many
+      iterators were created on the dataset before; counting them lets a
+      resumed run create the same number before it trains.
+    - `full_batches=True` declares that every worker gets the same number
+      of batches, each split evenly over the replicas (keras_dist's own
+      array input, `_data.batches_split_evenly`): it is then distributed
+      without partial-batch handling, which under multi-worker training
+      costs one cross-worker all-reduce per step ("has any worker data
+      left?", `input_lib._calculate_replicas_with_values`).
+    """
+    original = keras_tf_trainer.TFEpochIterator.__init__
+    seen = []
+
+    def init(self, *args, **kwargs):
+        first = not seen
+        seen.append(True)
+        strategy = kwargs.get("distribute_strategy") or tf.distribute.get_strategy()
+        with _without_partial_batches(strategy, first and full_batches):
+            original(self, *args, **kwargs)
+        if isinstance(self._distributed_dataset, _LazyDataset):
+            return  # made inside an enclosing call's context (nested calls)
+        if first and cursor is not None:
+            cursor.dataset = self._distributed_dataset
+        self._distributed_dataset = _LazyDataset(
+            self._distributed_dataset,
+            cursor if first else None,
+            background_release=is_multi_worker(strategy)
+            and _tensorflow_fed(self.data_adapter),
+        )
+
+    keras_tf_trainer.TFEpochIterator.__init__ = init
+    try:
+        yield
+    finally:
+        keras_tf_trainer.TFEpochIterator.__init__ = original
+
+
+_PARTIAL_BATCHES = "experimental_enable_get_next_as_optional"
+
+
+@contextlib.contextmanager
+def _without_partial_batches(strategy, active: bool):
+    """Distributes datasets without partial-batch handling while open."""
+    extended = strategy.extended
+    if not active or not getattr(extended, _PARTIAL_BATCHES, False):
+        yield
+        return
+    setattr(extended, _PARTIAL_BATCHES, False)
+    try:
+        yield
+    finally:
+        setattr(extended, _PARTIAL_BATCHES, True)
+
+
+INTERNALS = {
+    "keras.src.backend.tensorflow.trainer": ("TFEpochIterator",),
+    "keras.src.backend.tensorflow.trainer.TFEpochIterator (source)": (
+        "_distributed_dataset",
+    ),
+    "tensorflow.python.distribute.collective_all_reduce_strategy (source)": (
+        "experimental_enable_get_next_as_optional",
+    ),
+    "tensorflow.python.distribute.input_lib (source)": (
+        "experimental_enable_get_next_as_optional",
+        "_calculate_replicas_with_values",
+    ),
+    "keras.src.trainers.data_adapters.array_data_adapter": ("ArrayDataAdapter",),
+    "keras.src.trainers.data_adapters.tf_dataset_adapter": ("TFDatasetAdapter",),
+    "tensorflow.python.data.ops.dataset_ops.DatasetV2": ("_inputs",),
+}
+"""The private Keras/TF symbols this module uses, by owner (merged into
+`keras_dist._keras_compat.INTERNALS`, which tests/test_keras_compat.py pins)."""
