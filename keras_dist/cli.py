@@ -7,7 +7,9 @@ import json
 import sys
 import textwrap
 
-from keras_dist.launchers.train import launch, planned_tf_configs
+from keras_dist.launchers.config import LaunchConfig
+from keras_dist.launchers.train import planned_tf_configs
+from keras_dist.launchers.train import run as run_job
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -169,14 +171,20 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+def parse(argv: list[str] | None = None, parser=None):
+    """(options, the script's arguments) of a `keras-dist` command line."""
+    args = (parser or _parser()).parse_args(argv)
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
     if args.script == "--" and script_args:
         args.script, script_args = script_args[0], script_args[1:]
+    return args, script_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, script_args = parse(argv, parser)
     if args.command == "tune":
         from keras_dist.launchers.search import launch_search
 
@@ -208,25 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.script is None:
             parser.error("the following arguments are required: script")
-        return launch(
-            args.script,
-            script_args,
-            num_workers=args.num_workers,
-            hosts=args.hosts,
-            rank=args.rank,
-            max_restarts=args.max_restarts,
-            log_dir=args.log_dir,
-            grace_period=args.grace_period,
-            module=args.module,
-            port=args.port,
-            verbose=args.verbose,
-            start_timeout=args.start_timeout or None,
-            hang_timeout=args.hang_timeout or None,
-            private_network=args.private_network,
-            min_workers=args.min_workers,
-            rejoin_after=args.rejoin_after,
-            rendezvous=args.rendezvous,
-        )
+        return run_job(LaunchConfig.from_cli(args, script_args))
     except (ValueError, TypeError) as e:
         print(f"keras-dist launch: error: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """The launcher's supervision, with small scripts that need no TensorFlow."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -382,3 +383,25 @@ def test_progress_lines_reach_the_console_with_log_dir(tmp_path, capfd):
     assert "epoch 1 done" not in out
     log = (logs / "worker-1.log").read_text()
     assert "epoch 1 done" in log and "failed call to cuInit" in log  # all of it
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"num_workers": 3, "max_restarts": 2, "log_dir": "logs", "grace_period": 2.5,
+     "module": True, "port": 23456, "verbose": True, "start_timeout": None,
+     "hang_timeout": 12.25, "private_network": True, "min_workers": 1,
+     "rejoin_after": 7.5},
+    {"hosts": "a:1,b:2", "rank": 1, "min_workers": 2, "rendezvous": "/shared/rz",
+     "start_timeout": 1e-3},
+], ids=["defaults", "local elastic, every option", "multi-host elastic"])
+def test_a_launch_config_reads_back_from_its_command_line(options):
+    """The network-namespace relaunch passes the job on as a command line:
+    every option comes back the same (one serialisation, one parser)."""
+    from keras_dist import cli
+    from keras_dist.launchers.config import LaunchConfig
+
+    config = LaunchConfig("train.py", ("--epochs", "3", "--", "-x"), **options)
+    args, script_args = cli.parse(config.command_line())
+    assert LaunchConfig.from_cli(args, script_args) == config
+    inside = LaunchConfig.from_cli(*cli.parse(config.command_line(private_network=False)))
+    assert inside == dataclasses.replace(config, private_network=False)

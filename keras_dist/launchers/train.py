@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from keras_dist import _cluster, _liveness, _netns
 from keras_dist._checks import check_count, check_launch_arguments, check_seconds
+from keras_dist.launchers.config import LaunchConfig
 from keras_dist.launchers.rendezvous import ElasticHost
 from keras_dist.launchers.supervisor import (
     PORT_RETRIES,
@@ -140,55 +141,58 @@ def launch(
             script, `num_workers < 1`, a malformed `hosts`, a rank out of
             range, a port in use or bad restart/grace values.
     """
-    configs_for = _plan(script, num_workers, hosts, rank, max_restarts, log_dir,
-                        grace_period, module, port)
-    _check_elastic(min_workers, rejoin_after, num_workers, hosts, rendezvous)
-    timeouts = _liveness.Timeouts.checked(start_timeout, hang_timeout)
-    if private_network and not _netns.inside():
-        if num_workers is None:
+    return run(LaunchConfig(
+        script, tuple(script_args), num_workers=num_workers, hosts=hosts, rank=rank,
+        max_restarts=max_restarts, log_dir=log_dir, grace_period=grace_period,
+        module=module, port=port, verbose=verbose, start_timeout=start_timeout,
+        hang_timeout=hang_timeout, private_network=private_network,
+        min_workers=min_workers, rejoin_after=rejoin_after, rendezvous=rendezvous,
+    ))
+
+
+def run(config: LaunchConfig) -> int:
+    """Checks `config` before anything starts, then runs the job (`launch`)."""
+    configs_for = _plan(config)
+    _check_elastic(config)
+    timeouts = _liveness.Timeouts.checked(config.start_timeout, config.hang_timeout)
+    if config.private_network and not _netns.inside():
+        if config.num_workers is None:
             raise ValueError(
                 "Invalid value for argument `private_network`: it isolates a "
                 "local job (num_workers=N); a multi-host job needs the "
                 "network. Received: private_network=True with hosts="
-                f"{hosts!r}. Keep multi-host jobs on a private network or "
+                f"{config.hosts!r}. Keep multi-host jobs on a private network or "
                 "behind a firewall."
             )
-        elastic = ([] if min_workers is None else
-                   ["--min-workers", str(min_workers),
-                    "--rejoin-after", repr(float(rejoin_after))])
-        return _netns.relaunch(
-            ["launch", "--num-workers", str(num_workers),
-             "--max-restarts", str(max_restarts), *elastic],
-            script, script_args, port=port, log_dir=log_dir,
-            grace_period=grace_period, module=module, verbose=verbose,
-            start_timeout=start_timeout, hang_timeout=hang_timeout,
-        )
+        _netns.check()
+        return _netns.run_inside(config.command_line(private_network=False))
     _netns.set_up_if_inside()
-    if log_dir:
-        os.makedirs(log_dir, exist_ok=True)
-    command = python_command(script, script_args, module)
-    if rendezvous is not None:
+    if config.log_dir:
+        os.makedirs(config.log_dir, exist_ok=True)
+    command = python_command(config.script, config.script_args, config.module)
+    if config.rendezvous is not None:
         host = ElasticHost(
-            command, _cluster.parse_hosts(hosts), rank, os.fspath(rendezvous),
-            min_workers=min_workers, rejoin_after=rejoin_after,
-            max_restarts=max_restarts, log_dir=log_dir, grace_period=grace_period,
-            verbose=verbose, timeouts=timeouts,
+            command, _cluster.parse_hosts(config.hosts), config.rank,
+            os.fspath(config.rendezvous), min_workers=config.min_workers,
+            rejoin_after=config.rejoin_after, max_restarts=config.max_restarts,
+            log_dir=config.log_dir, grace_period=config.grace_period,
+            verbose=config.verbose, timeouts=timeouts,
         )
         with forwarded_signals() as interrupt:
             return host.run(interrupt)
     job = _Job(
         command,
         configs_for,
-        log_dir=log_dir,
-        grace_period=grace_period,
-        verbose=verbose,
+        log_dir=config.log_dir,
+        grace_period=config.grace_period,
+        verbose=config.verbose,
         timeouts=timeouts,
-        max_restarts=max_restarts,
+        max_restarts=config.max_restarts,
         # Fresh ports can be drawn only for a local job on launcher-chosen ports.
-        redraw_ports=num_workers is not None and port is None,
-        size=num_workers,
-        min_workers=min_workers,
-        rejoin_after=rejoin_after,
+        redraw_ports=config.num_workers is not None and config.port is None,
+        size=config.num_workers,
+        min_workers=config.min_workers,
+        rejoin_after=config.rejoin_after,
     )
     with forwarded_signals() as interrupt:
         return job.run(interrupt)
@@ -313,8 +317,10 @@ class _Job:
         return "retry"
 
 
-def _check_elastic(min_workers, rejoin_after, num_workers, hosts, rendezvous) -> None:
-    check_seconds("rejoin_after", rejoin_after)
+def _check_elastic(config: LaunchConfig) -> None:
+    min_workers, num_workers = config.min_workers, config.num_workers
+    hosts, rendezvous = config.hosts, config.rendezvous
+    check_seconds("rejoin_after", config.rejoin_after)
     if min_workers is None:
         if rendezvous is not None:
             raise ValueError(
@@ -362,11 +368,12 @@ def _describe_workers(configs) -> str:
     return f"worker {rank} of {len(cluster)} ({cluster[rank]})"
 
 
-def _plan(script, num_workers, hosts, rank, max_restarts, log_dir, grace_period,
-          module=False, port=None):
-    """Validates everything up front; returns a TF_CONFIG factory."""
-    check_launch_arguments(script, "training", module, grace_period, log_dir)
-    check_count("max_restarts", max_restarts, minimum=0)
+def _plan(config: LaunchConfig):
+    """Validates the cluster options up front; returns a TF_CONFIG factory."""
+    num_workers, hosts, rank, port = config.num_workers, config.hosts, config.rank, config.port
+    check_launch_arguments(config.script, "training", config.module, config.grace_period,
+                           config.log_dir)
+    check_count("max_restarts", config.max_restarts, minimum=0)
     if num_workers is not None and hosts is not None:
         raise ValueError(
             "Arguments `num_workers` and `hosts` are mutually exclusive. "
