@@ -35,6 +35,14 @@ FAST_MODULES = {
 }
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--soak", action="store_true",
+        help="run soak-sized tests at full size (the elastic job's 20 random "
+        "events instead of 8)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     import pytest
 

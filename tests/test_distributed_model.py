@@ -1,6 +1,8 @@
 """In-process tests of DistributedModel on 2 and 4 logical CPUs."""
 
+import json
 import os
+import zipfile
 
 import keras
 import numpy as np
@@ -625,6 +627,30 @@ def test_save_and_load_round_trip(tmp_path, kind):
     if kind == "wrapped":
         plain = keras_dist.distribute(plain)
     assert plain.distribute_strategy.num_replicas_in_sync == 4
+
+
+def test_files_of_the_first_wrapper_format_still_load(tmp_path):
+    """keras_dist 0.1's `distribute()` saved a `DistributedWrapper` holding
+    the model (registered as keras_dist>DistributedWrapper); such files load,
+    predict as saved and train."""
+    from keras_dist.distributed_model import DistributedWrapper
+
+    x, y = regression_data()
+    with two_replicas().scope():
+        old = DistributedWrapper(mlp(True), strategy=two_replicas())
+    old.compile("adam", "mse")
+    old.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    path = os.path.join(tmp_path, "old.keras")
+    old.save(path)
+    with zipfile.ZipFile(path) as archive:
+        config = json.loads(archive.read("config.json"))
+    assert config["registered_name"] == "keras_dist>DistributedWrapper"
+    loaded = keras.models.load_model(path)
+    assert type(loaded) is DistributedWrapper
+    np.testing.assert_allclose(loaded.predict(x, batch_size=16, verbose=0),
+                               old.predict(x, batch_size=16, verbose=0), atol=1e-6)
+    loaded.compile("adam", "mse")
+    loaded.fit(x, y, batch_size=16, epochs=1, verbose=0)
 
 
 def test_save_weights_round_trip(tmp_path):

@@ -9,6 +9,7 @@ import os
 import threading
 import time
 import warnings
+from dataclasses import dataclass, field
 from typing import Literal
 
 import keras
@@ -391,24 +392,15 @@ class PerReplicaMetrics(keras.callbacks.Callback):
         info = worker_info(strategy)
         replicas = strategy.num_replicas_in_sync
         per_worker = max(1, replicas // max(1, info.num_workers))
-        self._run = {
-            "monitor": monitor,
-            "chief": info.is_chief,
-            "workers": max(1, replicas // per_worker),
-            "per_worker": per_worker,
-            "steps": 0,
-            "since_update": 0,
-            "since_check": 0,
-            "window": _Window(time.perf_counter(), monitor.read()[1]),
-            "epoch_window": None,
-            "epoch": 0,
-            "straggling": set(),
-            "writer": None,
-            "csv": None,
-            "written": None,  # step of the last row written
-        }
+        self._run = _Run(
+            monitor=monitor,
+            chief=info.is_chief,
+            workers=max(1, replicas // per_worker),
+            per_worker=per_worker,
+            window=_Window(time.perf_counter(), monitor.read()[1]),
+        )
         if info.is_chief and self.log_dir:
-            self._run["writer"] = tf.summary.create_file_writer(self.log_dir)
+            self._run.writer = tf.summary.create_file_writer(self.log_dir)
 
     # -- state for BackupAndRestore ------------------------------------------
 
@@ -419,8 +411,8 @@ class PerReplicaMetrics(keras.callbacks.Callback):
         continues from it) and the CSV's columns (a resumed run appends to
         the file instead of starting it again).
         """
-        run = self._run or {}
-        return {"steps": int(run.get("steps", 0)), "csv_columns": run.get("csv")}
+        run = self._run or _Run()
+        return {"steps": int(run.steps), "csv_columns": run.csv}
 
     def set_state(self, state: dict) -> None:
         """Continues the step count of a backed-up run (during `fit` only).
@@ -431,28 +423,28 @@ class PerReplicaMetrics(keras.callbacks.Callback):
         run = self._run
         if run is None:
             return
-        run["steps"] = int(state.get("steps", 0))
-        run["written"] = run["steps"]  # its row, if due, is in the CSV
+        run.steps = int(state.get("steps", 0))
+        run.written = run.steps  # its row, if due, is in the CSV
         columns = state.get("csv_columns")
-        if not columns or not self.csv_path or not run["chief"]:
+        if not columns or not self.csv_path or not run.chief:
             return
-        run["csv"] = list(columns)
+        run.csv = list(columns)
         if os.path.exists(self.csv_path):
             with open(self.csv_path, newline="") as f:
                 rows = list(csv.reader(f))
             kept = rows[:1] + [
-                row for row in rows[1:] if row and int(row[1]) <= run["steps"]
+                row for row in rows[1:] if row and int(row[1]) <= run.steps
             ]
             with open(self.csv_path, "w", newline="") as f:
                 csv.writer(f).writerows(kept)
         else:
             with open(self.csv_path, "w", newline="") as f:
-                csv.writer(f).writerow(["epoch", "step", *run["csv"]])
+                csv.writer(f).writerow(["epoch", "step", *run.csv])
 
     def on_epoch_begin(self, epoch, logs=None):
         run = self._run
-        run["epoch"] = epoch
-        run["epoch_window"] = _Window(time.perf_counter(), run["monitor"].read()[1])
+        run.epoch = epoch
+        run.epoch_window = _Window(time.perf_counter(), run.monitor.read()[1])
 
     def on_train_batch_end(self, batch, logs=None):
         with self._bookkeeping_lock:
@@ -461,41 +453,41 @@ class PerReplicaMetrics(keras.callbacks.Callback):
     def _on_train_batch_end(self):
         run = self._run
         steps = int(getattr(self.model, "steps_per_execution", 1) or 1)
-        run["steps"] += steps
-        run["since_update"] += steps
-        run["since_check"] += steps
+        run.steps += steps
+        run.since_update += steps
+        run.since_check += steps
         latest = totals = None
-        if run["workers"] > 1 and run["since_check"] >= self.straggler_steps:
-            run["since_check"] = 0
-            latest, totals = run["monitor"].read()
+        if run.workers > 1 and run.since_check >= self.straggler_steps:
+            run.since_check = 0
+            latest, totals = run.monitor.read()
             now = time.perf_counter()
-            self._check_stragglers(run["window"].worker_times(now, totals, run))
-            run["window"] = _Window(now, totals)
-        if self.update_freq != "epoch" and run["since_update"] >= self.update_freq:
-            run["since_update"] = 0
+            self._check_stragglers(run.window.worker_times(now, totals, run))
+            run.window = _Window(now, totals)
+        if self.update_freq != "epoch" and run.since_update >= self.update_freq:
+            run.since_update = 0
             if latest is None:
-                latest, totals = run["monitor"].read()
-            values = self._values(latest, totals, run["epoch_window"], run)
-            self._write(values, run["steps"])
+                latest, totals = run.monitor.read()
+            values = self._values(latest, totals, run.epoch_window, run)
+            self._write(values, run.steps)
 
     def on_epoch_end(self, epoch, logs=None):
         run = self._run
-        latest, totals = run["monitor"].read()
-        values = self._values(latest, totals, run["epoch_window"], run)
+        latest, totals = run.monitor.read()
+        values = self._values(latest, totals, run.epoch_window, run)
         if logs is not None:
             logs.update(values)
-        if run["written"] != run["steps"]:
-            self._write(values, run["steps"])
+        if run.written != run.steps:
+            self._write(values, run.steps)
 
     def on_train_end(self, logs=None):
         run, self._run = self._run, None
-        if run and run["writer"] is not None:
-            run["writer"].close()
+        if run and run.writer is not None:
+            run.writer.close()
 
     # -- values ------------------------------------------------------------
 
     def _values(self, latest, totals, window, run) -> dict:
-        monitor = run["monitor"]
+        monitor = run.monitor
         names = list(monitor.keys) + (["grad_norm"] if self.gradient_norm else [])
         values = {}
         for column, name in enumerate(names):
@@ -510,7 +502,7 @@ class PerReplicaMetrics(keras.callbacks.Callback):
             step_times, wall = times
             for worker, value in enumerate(step_times):
                 values[f"step_time/worker_{worker}"] = float(value)
-            per_worker = samples.reshape(run["workers"], run["per_worker"]).sum(axis=1)
+            per_worker = samples.reshape(run.workers, run.per_worker).sum(axis=1)
             for worker, value in enumerate(per_worker):
                 values[f"samples_per_sec/worker_{worker}"] = float(value / wall)
             values["step_time_ratio"] = float(
@@ -527,8 +519,8 @@ class PerReplicaMetrics(keras.callbacks.Callback):
         slow = {
             w for w, t in enumerate(step_times) if t > self.straggler_factor * median
         }
-        for worker in sorted(slow - run["straggling"]):
-            if run["chief"]:
+        for worker in sorted(slow - run.straggling):
+            if run.chief:
                 warnings.warn(
                     f"PerReplicaMetrics: worker {worker} is a straggler: "
                     f"{step_times[worker] * 1000:.1f} ms per step over the last "
@@ -538,26 +530,26 @@ class PerReplicaMetrics(keras.callbacks.Callback):
                     "load and device.",
                     stacklevel=2,
                 )
-        run["straggling"] = slow
+        run.straggling = slow
 
     def _write(self, values: dict, step: int) -> None:
         run = self._run
-        run["written"] = step
-        if not run["chief"] or not values:
+        run.written = step
+        if not run.chief or not values:
             return
         if self.csv_path:
-            if run["csv"] is None:
-                run["csv"] = sorted(values)
+            if run.csv is None:
+                run.csv = sorted(values)
                 directory = os.path.dirname(os.path.abspath(self.csv_path))
                 os.makedirs(directory, exist_ok=True)
                 with open(self.csv_path, "w", newline="") as f:
-                    csv.writer(f).writerow(["epoch", "step", *run["csv"]])
+                    csv.writer(f).writerow(["epoch", "step", *run.csv])
             with open(self.csv_path, "a", newline="") as f:
                 csv.writer(f).writerow(
-                    [run["epoch"], step, *(values.get(k, "") for k in run["csv"])]
+                    [run.epoch, step, *(values.get(k, "") for k in run.csv)]
                 )
-        if run["writer"] is not None:
-            with run["writer"].as_default(step=step):
+        if run.writer is not None:
+            with run.writer.as_default(step=step):
                 for key, value in values.items():
                     # `tf.summary.scalar` needs the tensorboard package;
                     # `tf.summary.write` with the scalars plugin's metadata
@@ -567,7 +559,27 @@ class PerReplicaMetrics(keras.callbacks.Callback):
                         tf.constant(value, tf.float32),
                         metadata=_SCALAR_METADATA,
                     )
-            run["writer"].flush()
+            run.writer.flush()
+
+
+@dataclass
+class _Run:
+    """One fit's state (from `on_train_begin` to `on_train_end`)."""
+
+    monitor: object = None  # the replicas' counters (`_ReplicaMonitor`)
+    chief: bool = True
+    workers: int = 1
+    per_worker: int = 1  # replicas per worker
+    steps: int = 0  # steps counted (the CSV's and TensorBoard's step axis)
+    since_update: int = 0
+    since_check: int = 0
+    window: object = None  # `_Window` since the last straggler check
+    epoch_window: object = None  # `_Window` since the epoch began
+    epoch: int = 0
+    straggling: set = field(default_factory=set)  # workers reported slow
+    writer: object = None  # TensorBoard's, on the chief with log_dir
+    csv: list | None = None  # the CSV's value columns, once written
+    written: int | None = None  # step of the last row written
 
 
 class _Window:
@@ -586,6 +598,6 @@ class _Window:
             return None
         # A worker is as busy as its busiest replica: the one that waited
         # least.
-        waited = delta[:, _WAITED].reshape(run["workers"], run["per_worker"])
+        waited = delta[:, _WAITED].reshape(run.workers, run.per_worker)
         busy = (wall - waited.min(axis=1)) / steps
         return np.maximum(busy, 0.0), wall

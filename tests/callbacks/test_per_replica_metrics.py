@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import keras_dist
 from helpers import Crash
-from keras_dist.callbacks import PerReplicaMetrics
+from keras_dist.callbacks import PerReplicaMetrics, per_replica_metrics
 
 # Replica r gets samples with x = 1 and y = r + 1 (4 replicas, batch 4,
 # unshuffled): with a zero kernel and a zero rate, its loss is (r + 1)^2,
@@ -101,7 +101,7 @@ def test_gradient_norm_needs_the_built_in_train_step():
 
 def test_straggler_is_named_once_per_episode():
     callback = PerReplicaMetrics(straggler_steps=5)
-    callback._run = {"chief": True, "straggling": set()}
+    callback._run = per_replica_metrics._Run(chief=True)
     slow = (np.array([0.01, 0.01, 0.05]), 1.0)
     with pytest.warns(UserWarning, match="worker 2 is a straggler"):
         callback._check_stragglers(slow)
