@@ -27,6 +27,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from keras_dist import _data
+from keras_dist._resume import ResumePlan
 
 SETUP_HOOK = "setup_fit"
 
@@ -59,9 +60,10 @@ class FitSession:
 
     - `model`, `strategy`, `callbacks` (the list given to `fit`),
       `custom_train_step` (the model overrides `train_step`).
-    - `resumed`: the state of the backup this run resumes from, or None;
-      written by the callback that restores (`BackupAndRestore`) during
-      `setup_fit`, read by `fit` for the shuffle seed.
+    - `resume` (`_resume.ResumePlan`): the backup this run resumes from,
+      or None; written by the callback that restores (`BackupAndRestore`)
+      during `setup_fit`, read by `fit` for the epoch it starts at (given
+      to Keras' loop as `initial_epoch`) and the shuffle seed.
     - `cursor` (`_data.DataCursor`): which pass over the training input is
       current and how far it is consumed, and the agreed shuffle seed.
     - `num_samples`, `batch_size` (global), `steps_per_epoch`, `dataset`
@@ -81,7 +83,7 @@ class FitSession:
         self.custom_train_step = custom_train_step
         self.strategy = strategy
         self.callbacks = list(callbacks or [])
-        self.resumed: dict | None = None
+        self.resume: ResumePlan | None = None
         self.cursor = _data.DataCursor("unknown", persistent=False)
         self.num_samples: int | None = None
         self.batch_size: int | None = None

@@ -403,6 +403,10 @@ class DistributedModel(keras.Model):
             if dataset is not None:
                 # Shuffled already, with a seed every worker agreed on.
                 batch_size, shuffle = None, False
+            if session.resume is not None:
+                # The backup's epoch; its batches already trained are skipped
+                # by the train function (see BackupAndRestore).
+                initial_epoch = session.resume.epoch
             if validation_data is not None:
                 validation_data = self._kd_eval_dataset(
                     validation_data, validation_batch_size or batch_size or 32
@@ -476,7 +480,8 @@ class DistributedModel(keras.Model):
             return x, y, sample_weight, None
         seed = None
         if shuffle and shuffle != "batch":
-            seed = (session.resumed or {}).get("data", {}).get("seed")
+            seed = (session.resume.state.get("data", {}).get("seed")
+                    if session.resume is not None else None)
             seed = seed or _collectives.agreed_seed(session.strategy)
         dataset = _data.array_dataset(
             session.strategy, x, y, sample_weight, batch_size, shuffle, seed

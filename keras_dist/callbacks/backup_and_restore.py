@@ -173,7 +173,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._last_save_time = time.monotonic()
         self._pending_epoch_save = False
         self._saved_states = ({}, {})  # other callbacks' states at the epoch save
-        self._plan = None  # the restored backup's plan, until its epoch begins
+        self._pending_plan = None  # the restored backup's plan, until its epoch begins
         self._skip_calls = 0
         self._skip_extra = 0
         self._skipped_last_call = False
@@ -214,8 +214,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         """
         session.claim("backup", self)
         self._session = session
-        session.resumed = self._select(session.strategy, fresh=True)
         session.add_teardown(self._release)
+        state = self._select(session.strategy, fresh=True)
+        if state is not None:
+            session.resume = self._plan(self._selected[0], state, session.model)
 
     def _select(self, strategy, fresh: bool = False):
         """Chooses (once per fit) the backup to restore; None when none.
@@ -292,7 +294,19 @@ class BackupAndRestore(keras.callbacks.Callback):
             "metrics": list(model.metrics_variables),
         }
 
-    def _restore(self, state: dict, sequence: int) -> None:
+    def _plan(self, chosen: int, state: dict, model) -> _resume.ResumePlan:
+        if state.get("format") != _FORMAT:
+            raise ValueError(
+                f"BackupAndRestore: backup {chosen} in {self.backup_dir!r} "
+                f"has format {state.get('format')!r}; this version reads "
+                f"format {_FORMAT}."
+            )
+        directory = os.path.join(self.backup_dir, store.backup_name(chosen))
+        spe = max(1, int(model.steps_per_execution or 1))
+        return _resume.ResumePlan.from_backup(state, directory, spe)
+
+    def _restore(self, plan: _resume.ResumePlan) -> None:
+        state, directory = plan.state, plan.directory
         if not self.model.built:
             raise ValueError(
                 "BackupAndRestore: the model has no variables to restore the "
@@ -304,7 +318,6 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         groups = self._groups()
         _resume.check_compatible(state["variables"], groups, self.backup_dir)
-        directory = os.path.join(self.backup_dir, store.backup_name(sequence))
         checkpoint = tf.train.Checkpoint(
             model=groups["model"], optimizer=groups["optimizer"]
         )
@@ -314,9 +327,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         changed = _resume.changed_arguments(state.get("fit", {}), self._fit_arguments())
         if changed:
             self._warn_once("changes", changed)
-        plan = _resume.ResumePlan.from_backup(state, directory, self._steps_per_execution())
-        self._plan = plan
-        _keras_compat.set_initial_epoch(self.model, plan.epoch)
+        self._pending_plan = plan
+        if self._context is None:
+            # A plain keras.Model's fit: Keras' loop reads the start epoch
+            # after on_train_begin (DistributedModel.fit passes it itself).
+            _keras_compat.set_initial_epoch(self.model, plan.epoch)
         self._skip_calls, self._skip_extra = plan.skip_calls, plan.skip_extra
         mid_execution = plan.restarts_mid_execution()
         if mid_execution:
@@ -475,13 +490,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         chosen, _, newest = self._selected
         self._sequence = newest
         if state is not None:
-            if state.get("format") != _FORMAT:
-                raise ValueError(
-                    f"BackupAndRestore: backup {chosen} in {self.backup_dir!r} "
-                    f"has format {state.get('format')!r}; this version reads "
-                    f"format {_FORMAT}."
-                )
-            self._restore(state, chosen)
+            plan = getattr(context, "resume", None)
+            self._restore(plan or self._plan(chosen, state, self.model))
         self._signals.install(self.preemption_signals, self._warn_once)
         # Begin hooks need hiding only in a resumed run that skips batches.
         self._siblings.install(self, self._callbacks(), self._finish_batch,
@@ -492,8 +502,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._pending_epoch_save = False
             self._save_if_callbacks_changed(epoch)
         self._epoch, self._step = epoch, 0
-        if self._plan is not None:
-            plan, self._plan = self._plan, None
+        if self._pending_plan is not None:
+            plan, self._pending_plan = self._pending_plan, None
             self._apply_plan(plan)
 
     def _save_if_callbacks_changed(self, epoch: int) -> None:
