@@ -84,61 +84,8 @@ class ShardedModel(keras.Model):
     """
 
     def __init__(self, model, mesh, layout_map=None):
-        if not isinstance(mesh, keras.distribution.DeviceMesh):
-            raise TypeError(
-                "Argument `mesh` must be a keras.distribution.DeviceMesh (see "
-                f"keras_dist.dtensor.make_mesh). Received: mesh={mesh!r} of type "
-                f"{type(mesh).__name__}"
-            )
-        if not model.built or not model.weights:
-            raise ValueError(
-                f"shard() needs a built model; {model.name!r} has no weights "
-                "yet. Build it first (call it on a batch, or model.build())."
-            )
-        if not model.compiled or model.optimizer is None:
-            raise ValueError(
-                f"shard() needs a compiled model; compile {model.name!r} first "
-                "(its optimizer, loss and metrics are copied)."
-            )
-        for layer in _keras_compat.iter_sublayers(model):
-            if isinstance(layer, keras.layers.RNN) and not layer.unroll:
-                raise ValueError(
-                    f"shard() cannot run layer {layer.name!r} "
-                    f"({type(layer).__name__}, unroll=False): DTensor has no "
-                    "layout propagation for the loop a recurrent layer runs "
-                    "(its TensorList ops). Build it with unroll=True (the steps "
-                    "become plain ops; measured equal to one device), or keep "
-                    "the model on keras_dist.distribute(model)."
-                )
-        if layout_map is None:
-            layout_map = LayoutMapper(mesh)
-        if isinstance(layout_map, LayoutMapper):
-            layout_map = layout_map.layout_map(model)
-        elif not isinstance(layout_map, keras.distribution.LayoutMap):
-            raise TypeError(
-                "Argument `layout_map` must be a keras.distribution.LayoutMap, a "
-                f"keras_dist.dtensor.LayoutMapper or None. Received: layout_map="
-                f"{layout_map!r} of type {type(layout_map).__name__}"
-            )
-        axes_by_path = {}
-        for variable in model.weights:
-            layout = layout_map[variable.path]
-            axes_by_path[variable.path] = (
-                tuple(layout.axes) if layout is not None else (None,) * len(variable.shape)
-            )
-        for path in sorted(convolution_variables(model)):
-            axes = axes_by_path[path]
-            if any(a is not None for a in axes):
-                # A LayoutMap written for another backend (Keras' examples
-                # shard convolution kernels by output channel) carries over.
-                warnings.warn(
-                    f"Variable {path!r} belongs to a convolution: replicated, not "
-                    f"laid out as {axes!r}. DTensor runs a convolution only with "
-                    "its filter and bias replicated. Map it to None in the layout "
-                    "map to silence this warning.",
-                    stacklevel=3,
-                )
-                axes_by_path[path] = (None,) * len(axes)
+        _check_shardable(model, mesh)
+        axes_by_path = _axes_by_path(model, mesh, layout_map)
         super().__init__(name=model.name)
         dmesh = _dtensor_mesh(mesh)
         by_source_path = {
@@ -479,56 +426,10 @@ class ShardedModel(keras.Model):
     def _check_data(self, method, x, y, batch_size, needs_y, validation_split=0.0):
         split = self._batch_split()
         if isinstance(x, tf.data.Dataset):
-            if y is not None:
-                raise ValueError(
-                    f"{method}(): argument `y` must be None when `x` is a "
-                    "tf.data.Dataset (it yields the targets). Received: "
-                    f"y of type {type(y).__name__}"
-                )
-            if split > 1 and method == "fit":
-                # Checked before any step: a short last batch would otherwise
-                # fail halfway through an epoch.
-                for spec in tf.nest.flatten(x.element_spec):
-                    size = spec.shape[0] if spec.shape.rank else None
-                    if size is None or size % split:
-                        raise ValueError(
-                            f"{method}(): the dataset's batches must have a fixed "
-                            f"size divisible by the mesh axis {BATCH_AXIS!r} of size "
-                            f"{split}. Received: element_spec={x.element_spec}. Batch "
-                            "it with dataset.batch(n, drop_remainder=True), n "
-                            f"divisible by {split}."
-                        )
-            return
-        if not _is_arrays(x):
-            return  # a generator or PyDataset: each batch is checked as it comes
-        if batch_size is None:
-            batch_size = 32  # Keras' default
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(
-                f"{method}(): argument `batch_size` must be a positive integer. "
-                f"Received: batch_size={batch_size!r}"
-            )
-        if method == "fit" and batch_size % split:
-            # evaluate and predict pad a batch that does not split.
-            raise ValueError(
-                f"{method}(): argument `batch_size` must be divisible by the "
-                f"mesh axis {BATCH_AXIS!r} of size {split}. Received: "
-                f"batch_size={batch_size}"
-            )
-        if needs_y and y is None:
-            raise ValueError(
-                f"{method}(): argument `y` is required with array inputs. Received: y=None"
-            )
-        count = len(tf.nest.flatten(x)[0])
-        if validation_split:
-            count = int(math.floor(count * (1.0 - validation_split)))  # as Keras splits
-        if method == "fit" and count % batch_size % split:
-            raise ValueError(
-                f"{method}(): the last batch of {count % batch_size} samples "
-                f"({count} training samples, batch_size={batch_size}) cannot be split over "
-                f"the mesh axis {BATCH_AXIS!r} of size {split}. Pass a number of "
-                f"samples whose remainder is divisible by {split}."
-            )
+            _check_dataset(method, x, y, split)
+        elif _is_arrays(x):
+            _check_arrays(method, x, y, batch_size, needs_y, validation_split, split)
+        # A generator or PyDataset: each batch is checked as it comes.
 
     # -- saving --------------------------------------------------------------
 
@@ -769,3 +670,122 @@ def _dtensor_mesh(mesh: keras.distribution.DeviceMesh):
         devices=[f"{kind}:{d.split(':')[-1]}" for d in devices],
         device_type=kind,
     )
+
+
+def _check_shardable(model, mesh) -> None:
+    """What `shard()` refuses before it copies anything."""
+    if not isinstance(mesh, keras.distribution.DeviceMesh):
+        raise TypeError(
+            "Argument `mesh` must be a keras.distribution.DeviceMesh (see "
+            f"keras_dist.dtensor.make_mesh). Received: mesh={mesh!r} of type "
+            f"{type(mesh).__name__}"
+        )
+    if not model.built or not model.weights:
+        raise ValueError(
+            f"shard() needs a built model; {model.name!r} has no weights "
+            "yet. Build it first (call it on a batch, or model.build())."
+        )
+    if not model.compiled or model.optimizer is None:
+        raise ValueError(
+            f"shard() needs a compiled model; compile {model.name!r} first "
+            "(its optimizer, loss and metrics are copied)."
+        )
+    for layer in _keras_compat.iter_sublayers(model):
+        if isinstance(layer, keras.layers.RNN) and not layer.unroll:
+            raise ValueError(
+                f"shard() cannot run layer {layer.name!r} "
+                f"({type(layer).__name__}, unroll=False): DTensor has no "
+                "layout propagation for the loop a recurrent layer runs "
+                "(its TensorList ops). Build it with unroll=True (the steps "
+                "become plain ops; measured equal to one device), or keep "
+                "the model on keras_dist.distribute(model)."
+            )
+
+
+def _axes_by_path(model, mesh, layout_map) -> dict:
+    """Each variable's mesh axes (None: replicated), from the layout map;
+    convolutions replicated (DTensor runs them only so), with a warning
+    where the map said otherwise."""
+    if layout_map is None:
+        layout_map = LayoutMapper(mesh)
+    if isinstance(layout_map, LayoutMapper):
+        layout_map = layout_map.layout_map(model)
+    elif not isinstance(layout_map, keras.distribution.LayoutMap):
+        raise TypeError(
+            "Argument `layout_map` must be a keras.distribution.LayoutMap, a "
+            f"keras_dist.dtensor.LayoutMapper or None. Received: layout_map="
+            f"{layout_map!r} of type {type(layout_map).__name__}"
+        )
+    axes_by_path = {}
+    for variable in model.weights:
+        layout = layout_map[variable.path]
+        axes_by_path[variable.path] = (
+            tuple(layout.axes) if layout is not None else (None,) * len(variable.shape)
+        )
+    for path in sorted(convolution_variables(model)):
+        axes = axes_by_path[path]
+        if any(a is not None for a in axes):
+            # A LayoutMap written for another backend (Keras' examples
+            # shard convolution kernels by output channel) carries over.
+            warnings.warn(
+                f"Variable {path!r} belongs to a convolution: replicated, not "
+                f"laid out as {axes!r}. DTensor runs a convolution only with "
+                "its filter and bias replicated. Map it to None in the layout "
+                "map to silence this warning.",
+                stacklevel=4,
+            )
+            axes_by_path[path] = (None,) * len(axes)
+    return axes_by_path
+
+
+def _check_dataset(method, x, y, split) -> None:
+    if y is not None:
+        raise ValueError(
+            f"{method}(): argument `y` must be None when `x` is a "
+            "tf.data.Dataset (it yields the targets). Received: "
+            f"y of type {type(y).__name__}"
+        )
+    if split > 1 and method == "fit":
+        # Checked before any step: a short last batch would otherwise fail
+        # halfway through an epoch.
+        for spec in tf.nest.flatten(x.element_spec):
+            size = spec.shape[0] if spec.shape.rank else None
+            if size is None or size % split:
+                raise ValueError(
+                    f"{method}(): the dataset's batches must have a fixed "
+                    f"size divisible by the mesh axis {BATCH_AXIS!r} of size "
+                    f"{split}. Received: element_spec={x.element_spec}. Batch "
+                    "it with dataset.batch(n, drop_remainder=True), n "
+                    f"divisible by {split}."
+                )
+
+
+def _check_arrays(method, x, y, batch_size, needs_y, validation_split, split) -> None:
+    if batch_size is None:
+        batch_size = 32  # Keras' default
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(
+            f"{method}(): argument `batch_size` must be a positive integer. "
+            f"Received: batch_size={batch_size!r}"
+        )
+    if method == "fit" and batch_size % split:
+        # evaluate and predict pad a batch that does not split.
+        raise ValueError(
+            f"{method}(): argument `batch_size` must be divisible by the "
+            f"mesh axis {BATCH_AXIS!r} of size {split}. Received: "
+            f"batch_size={batch_size}"
+        )
+    if needs_y and y is None:
+        raise ValueError(
+            f"{method}(): argument `y` is required with array inputs. Received: y=None"
+        )
+    count = len(tf.nest.flatten(x)[0])
+    if validation_split:
+        count = int(math.floor(count * (1.0 - validation_split)))  # as Keras splits
+    if method == "fit" and count % batch_size % split:
+        raise ValueError(
+            f"{method}(): the last batch of {count % batch_size} samples "
+            f"({count} training samples, batch_size={batch_size}) cannot be split over "
+            f"the mesh axis {BATCH_AXIS!r} of size {split}. Pass a number of "
+            f"samples whose remainder is divisible by {split}."
+        )
