@@ -50,7 +50,7 @@ def _module_exists(name: str) -> bool:
 
 
 def check_seconds(name: str, value) -> None:
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not value > 0:
+    if not is_positive_number(value):
         raise ValueError(
             f"Invalid value for argument `{name}`. Expected a positive "
             f"number of seconds. Received: {name}={value!r}."

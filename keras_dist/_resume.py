@@ -40,6 +40,11 @@ class ResumePlan:
         return self.state["position"]
 
     @property
+    def seed(self) -> int | None:
+        """The interrupted run's shuffle seed (a resumed run shuffles alike)."""
+        return self.state.get("data", {}).get("seed")
+
+    @property
     def hidden_batches(self) -> int:
         """Batches of the first epoch the other callbacks must not see."""
         return self.skip_calls * self.steps_per_execution

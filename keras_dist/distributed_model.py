@@ -480,8 +480,7 @@ class DistributedModel(keras.Model):
             return x, y, sample_weight, None
         seed = None
         if shuffle and shuffle != "batch":
-            seed = (session.resume.state.get("data", {}).get("seed")
-                    if session.resume is not None else None)
+            seed = session.resume.seed if session.resume is not None else None
             seed = seed or _collectives.agreed_seed(session.strategy)
         dataset = _data.array_dataset(
             session.strategy, x, y, sample_weight, batch_size, shuffle, seed
