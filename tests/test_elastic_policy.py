@@ -210,6 +210,78 @@ def test_the_reasons_say_what_happened():
     assert rz.generations[-1]["members"] == [1]
 
 
+def play_local(terms, elastic, stops):
+    """A local job: each stop is ("fail", code) or ("grow", code); returns
+    the group sizes it ran, its restarts, and "failed" or "running"."""
+    size, restarts, sizes = terms.hosts, 0, [terms.hosts]
+    for kind, code in stops:
+        if kind == "grow":
+            assert policy.resize_after(terms, size, elastic) is not None
+            decision = policy.after_a_local_stop_to_grow(terms, size, restarts, code, "why")
+        else:
+            decision = policy.after_a_local_failure(terms, size, restarts, code, "why",
+                                                    elastic)
+        if decision.action == "fail":
+            return sizes, restarts, "failed"
+        assert decision.action in ("restart", "resize")
+        assert (decision.size == size) == (decision.action == "restart")
+        size, restarts = decision.size, decision.restarts
+        sizes.append(size)
+    return sizes, restarts, "running"
+
+
+# (name, job, elastic, group stops, sizes it ran, restarts, how it ends)
+LOCAL_CASES = [
+    ("no restarts: a crash ends a fixed job", job(4, max_restarts=0), False,
+     [("fail", 1)], [4], 0, "failed"),
+    ("a crash restarts a fixed job while restarts are left", job(4, max_restarts=2), False,
+     [("fail", 1), ("fail", -9)], [4, 4, 4], 2, "running"),
+    ("restarts used up: a fixed job fails", job(4, max_restarts=2), False,
+     [("fail", 1), ("fail", 1), ("fail", 1)], [4, 4, 4], 2, "failed"),
+    ("a preemption of a fixed job is a restart", job(2, max_restarts=1), False,
+     [("fail", 42)], [2, 2], 1, "running"),
+    ("a preemption shrinks an elastic job without a restart", job(4, min_workers=2), True,
+     [("fail", 42), ("fail", 42)], [4, 3, 2], 0, "running"),
+    ("preempted at min_workers with no restarts left: the end", job(2, min_workers=2), True,
+     [("fail", 42)], [2], 0, "failed"),
+    ("an elastic job restarts first, then shrinks", job(3, min_workers=1, max_restarts=1),
+     True, [("fail", 1), ("fail", 1), ("fail", 1)], [3, 3, 2, 1], 1, "running"),
+    ("an elastic job ends at min_workers", job(3, min_workers=2), True,
+     [("fail", 1), ("fail", 1)], [3, 2], 0, "failed"),
+    ("a shrunk group grows back to full size", job(4, min_workers=2, max_restarts=0), True,
+     [("fail", 42), ("grow", 42)], [4, 3, 4], 0, "running"),
+    ("a grow keeps the restart count", job(3, min_workers=1, max_restarts=1), True,
+     [("fail", 1), ("fail", 1), ("grow", 0), ("fail", 1)], [3, 3, 2, 3, 2], 1, "running"),
+    ("a hang (124) is a failure like any other", job(2, max_restarts=1), False,
+     [("fail", 124), ("fail", 124)], [2, 2], 1, "failed"),
+]
+
+
+@pytest.mark.parametrize("name, terms, elastic, stops, sizes, restarts, end", LOCAL_CASES,
+                         ids=[c[0] for c in LOCAL_CASES])
+def test_local_job_sequence(name, terms, elastic, stops, sizes, restarts, end):
+    assert play_local(terms, elastic, stops) == (sizes, restarts, end)
+
+
+def test_a_local_group_at_full_size_never_stops_to_grow():
+    terms = job(3, min_workers=1, rejoin_after=7)
+    assert policy.resize_after(terms, 3, True) is None
+    assert policy.resize_after(terms, 2, True) == 7
+    assert policy.resize_after(terms, 2, False) is None
+
+
+def test_the_local_reasons_say_what_happened():
+    terms = job(2, min_workers=1, max_restarts=1, rejoin_after=5)
+    assert policy.after_a_local_failure(terms, 2, 1, 1, "worker 1 exited with code 1",
+                                        True).reason == (
+        "worker 1 exited with code 1 and the restarts are used up (1/1)")
+    assert policy.after_a_local_failure(terms, 1, 1, 1, "worker 0 exited with code 1",
+                                        True).reason == (
+        "worker 0 exited with code 1 (after 1 restart(s)) (on 1, the fewest workers allowed)")
+    assert policy.after_a_local_stop_to_grow(terms, 1, 0, 42, "").reason == (
+        "it trained 5s on fewer than 2 workers (the group saved and exited to grow)")
+
+
 def test_the_policy_needs_neither_tensorflow_nor_keras():
     import subprocess
     import sys

@@ -589,6 +589,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         done = batch - self._begin + 1
         self._cursor.consumed += done
         self._since_save += done
+        due, preempted = self._save_due()
+        if due:
+            self._pending = (preempted,)
+            if not self._siblings.deferred:
+                self._finish_batch()
+
+    def _save_due(self) -> tuple[bool, bool]:
+        """Whether a backup is due after this batch, and whether it is
+        because of a preemption signal (every worker agrees on both)."""
         by_steps = self.save_freq != "epoch" and self._since_save >= self.save_freq
         timed = bool(
             self.save_every_seconds
@@ -599,10 +608,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             timed, preempted = _collectives.agree_any(
                 self._strategy, [timed, preempted]
             )
-        if by_steps or timed or preempted:
-            self._pending = (preempted,)
-            if not self._siblings.deferred:
-                self._finish_batch()
+        return by_steps or timed or preempted, preempted
 
     def _finish_batch(self) -> None:
         """Writes the backup due at this batch, once every callback saw it."""

@@ -130,3 +130,61 @@ def next_generation(job: Job, number: int, generation: dict, alive: list[int],
                         f"after generation {number} began)", restarts,
                         save_first=True), lost_since
     return None, lost_since
+
+
+# A local job (one launcher, every worker on this machine): the launcher
+# sees the whole group's outcome at once, so a failure shrinks the group by
+# one worker (renumbered) instead of leaving a named host out.
+
+
+@dataclass(frozen=True)
+class LocalDecision:
+    """What a local job does after its group stopped.
+
+    `action`: "restart" (same size, one more restart), "resize" (to `size`;
+    no restart counted) or "fail" (the job ends with the group's status).
+    """
+
+    action: str
+    size: int
+    restarts: int
+    reason: str
+
+
+def resize_after(job: Job, size: int, elastic: bool) -> float | None:
+    """How long a local group of `size` trains before it stops to grow
+    back to `job.hosts` workers (None: it does not)."""
+    return job.rejoin_after if elastic and size < job.hosts else None
+
+
+def after_a_local_stop_to_grow(job: Job, size: int, restarts: int, code: int,
+                               reason: str) -> LocalDecision:
+    """The group stopped (or saved and exited) to grow back to full size."""
+    why = ("the group saved and exited to grow)" if code == PREEMPTED_EXIT_CODE else
+           f"stopped to grow: {reason}; it goes on from the last backup)")
+    return LocalDecision("resize", job.hosts, restarts,
+                         f"it trained {job.rejoin_after:g}s on fewer than {job.hosts} "
+                         f"workers ({why}")
+
+
+def after_a_local_failure(job: Job, size: int, restarts: int, code: int, reason: str,
+                          elastic: bool) -> LocalDecision:
+    """A worker of a local group failed (`code`) and the group stopped.
+
+    A preemption shrinks an elastic group by one without counting a
+    restart; any other failure is a restart while restarts are left, then
+    a shrink by one while the group is above `min_workers`, then the end.
+    """
+    can_shrink = elastic and size > job.min_workers
+    if code == PREEMPTED_EXIT_CODE and can_shrink:
+        return LocalDecision("resize", size - 1, restarts, reason)
+    if restarts < job.max_restarts:
+        return LocalDecision("restart", size, restarts + 1, reason)
+    if can_shrink:
+        return LocalDecision("resize", size - 1, restarts,
+                             f"{reason} and the restarts are used up "
+                             f"({restarts}/{job.max_restarts})")
+    return LocalDecision(
+        "fail", size, restarts, reason
+        + (f" (after {restarts} restart(s))" if restarts else "")
+        + (f" (on {size}, the fewest workers allowed)" if elastic else ""))

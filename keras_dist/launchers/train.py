@@ -9,11 +9,11 @@ from collections.abc import Sequence
 
 from keras_dist import _cluster, _liveness, _netns
 from keras_dist._checks import check_count, check_launch_arguments, check_seconds
+from keras_dist.launchers import elastic_policy as policy
 from keras_dist.launchers.config import LaunchConfig
 from keras_dist.launchers.rendezvous import ElasticHost
 from keras_dist.launchers.supervisor import (
     PORT_RETRIES,
-    PREEMPTED_EXIT_CODE,
     Group,
     forwarded_signals,
     python_command,
@@ -200,8 +200,9 @@ def run(config: LaunchConfig) -> int:
 
 class _Job:
     """Runs the worker group until it succeeds, is interrupted or runs out
-    of restarts; one handler per outcome. An elastic job (`min_workers`)
-    also changes the group's size: `size` workers now, `full` wanted."""
+    of restarts; one handler per outcome, the decisions are
+    `elastic_policy`'s. An elastic job (`min_workers`) also changes the
+    group's size: `size` workers now, `terms.hosts` wanted."""
 
     def __init__(self, command, configs_for, *, log_dir, grace_period, verbose,
                  timeouts, max_restarts, redraw_ports, size=None, min_workers=None,
@@ -214,9 +215,11 @@ class _Job:
         self.timeouts = timeouts
         self.max_restarts = max_restarts
         self.redraw_ports = redraw_ports
-        self.size = self.full = size
-        self.min_workers = min_workers
-        self.rejoin_after = rejoin_after
+        self.size = size
+        self.elastic = min_workers is not None
+        # The job's terms, as the multi-host leader's policy reads them.
+        self.terms = policy.Job(hosts=size or 0, min_workers=min_workers or 1,
+                                max_restarts=max_restarts, rejoin_after=rejoin_after)
         self.restarts = 0
         self.resizes = 0
         self.port_retries = 0
@@ -225,10 +228,7 @@ class _Job:
     def run(self, interrupt) -> int:
         while True:
             configs = self.configs_for(self.size)
-            resize_after = (
-                self.rejoin_after
-                if self.min_workers is not None and self.size < self.full else None
-            )
+            resize_after = policy.resize_after(self.terms, self.size, self.elastic)
             outcome = self._start(configs).wait(interrupt, resize_after)
             for handler in (self._on_port_conflict, self._on_success, self._on_regrow,
                             self._on_failure):
@@ -249,11 +249,19 @@ class _Job:
         return Group(self.command, processes, self.log_dir, self.grace_period,
                      self.verbose, timeouts=self.timeouts)
 
-    def _resize(self, size: int, reason: str) -> str:
-        say(f"resize: {self.size} -> {size} workers because {reason}")
-        self.size = size
-        self.resizes += 1
-        return "retry"
+    def _carry_out(self, decision: policy.LocalDecision, code: int):
+        if decision.action == "resize":
+            say(f"resize: {self.size} -> {decision.size} workers because {decision.reason}")
+            self.size = decision.size
+            self.resizes += 1
+            return "retry"
+        if decision.action == "restart":
+            self.restarts = decision.restarts
+            say(f"restarting the worker group ({self.restarts}/{self.max_restarts}) "
+                f"because {decision.reason}")
+            return "retry"
+        say(f"job failed: {decision.reason}")
+        return code
 
     def _on_port_conflict(self, outcome, configs):
         if not (outcome.port_conflict and self.redraw_ports
@@ -280,41 +288,15 @@ class _Job:
     def _on_regrow(self, outcome, configs):
         if not outcome.stopped_to_resize:
             return None
-        return self._resize(
-            self.full, f"it trained {self.rejoin_after:g}s on fewer than "
-            f"{self.full} workers (" + (
-                "the group saved and exited to grow)"
-                if outcome.code == PREEMPTED_EXIT_CODE else
-                f"stopped to grow: {outcome.reason}; it goes on from the last backup)"
-            )
-        )
+        return self._carry_out(policy.after_a_local_stop_to_grow(
+            self.terms, self.size, self.restarts, outcome.code, outcome.reason), outcome.code)
 
     def _on_failure(self, outcome, configs):
         if outcome.interrupted:
             return outcome.code
-        preempted = outcome.code == PREEMPTED_EXIT_CODE
-        can_shrink = self.min_workers is not None and self.size > self.min_workers
-        if preempted and can_shrink:
-            return self._resize(self.size - 1, outcome.reason)
-        if self.restarts >= self.max_restarts:
-            if can_shrink:
-                return self._resize(
-                    self.size - 1, f"{outcome.reason} and the restarts are used up "
-                    f"({self.restarts}/{self.max_restarts})"
-                )
-            say(
-                f"job failed: {outcome.reason}"
-                + (f" (after {self.restarts} restart(s))" if self.restarts else "")
-                + (f" (on {self.size}, the fewest workers allowed)"
-                   if self.min_workers is not None else "")
-            )
-            return outcome.code
-        self.restarts += 1
-        say(
-            f"restarting the worker group ({self.restarts}/{self.max_restarts}) "
-            f"because {outcome.reason}"
-        )
-        return "retry"
+        return self._carry_out(policy.after_a_local_failure(
+            self.terms, self.size, self.restarts, outcome.code, outcome.reason,
+            self.elastic), outcome.code)
 
 
 def _check_elastic(config: LaunchConfig) -> None:
