@@ -6,7 +6,7 @@ import time
 import pytest
 
 from keras_dist.launchers import rendezvous
-from keras_dist.launchers.rendezvous import Rendezvous
+from keras_dist.launchers.rendezvous import DirectoryRendezvous as Rendezvous
 
 
 def test_each_generation_is_written_once(tmp_path):

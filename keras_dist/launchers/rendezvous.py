@@ -57,45 +57,48 @@ STALE_SECONDS = policy.STALE_SECONDS
 
 
 class Rendezvous:
-    """The files of one job's rendezvous directory."""
+    """What the launchers of one elastic job share: heartbeats, records
+    written once (generations, exits, the job's end) and reads of them.
 
-    def __init__(self, directory: str, rank: int, num_hosts: int):
-        self.directory = directory
+    The agent (`ElasticHost`) only calls the methods below; a backend
+    implements five primitives: `_write_once`, `read`, `_names`, `_beat`
+    (with `_unbeat`) and `_beat_age`. `DirectoryRendezvous` keeps them in a
+    directory on shared storage (multi-host jobs); `MemoryRendezvous` in
+    one process (the agent's tests, hosts as threads).
+    """
+
+    def __init__(self, rank: int, num_hosts: int):
         self.rank = rank
         self.num_hosts = num_hosts
-        for ended in ("done", "failed"):
-            if os.path.exists(self._file(ended)):
-                raise ValueError(
-                    f"Invalid value for argument `rendezvous`: {directory!r} "
-                    f"holds a job that ended (`{ended}`). Give each job its own "
-                    "rendezvous directory (or remove this one)."
-                )
-        os.makedirs(directory, exist_ok=True)
         self._stop = threading.Event()
         self._beating = None
 
-    def _file(self, name: str) -> str:
-        return os.path.join(self.directory, name)
+    # -- the primitives of a backend ----------------------------------------
 
     def _write_once(self, name: str, content: dict) -> bool:
-        """Creates `name` with `content` unless it exists; True if created."""
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(content, f)
-        try:
-            os.link(tmp, self._file(name))
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
+        """Creates record `name` with `content` unless it exists; True if
+        this call created it (exactly one of several racing callers)."""
+        raise NotImplementedError
 
     def read(self, name: str) -> dict | None:
-        try:
-            with open(self._file(name)) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
+        """Record `name`, or None if it does not exist (yet)."""
+        raise NotImplementedError
+
+    def _names(self) -> list[str]:
+        """The names of every record."""
+        raise NotImplementedError
+
+    def _beat(self) -> None:
+        """This host is alive now."""
+        raise NotImplementedError
+
+    def _unbeat(self) -> None:
+        """This host left (its heartbeat is gone at once)."""
+        raise NotImplementedError
+
+    def _beat_age(self, rank: int) -> float | None:
+        """Seconds since host `rank` last beat (None: it never did or left)."""
+        raise NotImplementedError
 
     # -- heartbeats --------------------------------------------------------
 
@@ -103,12 +106,6 @@ class Rendezvous:
         self._beat()
         self._beating = threading.Thread(target=self._beat_forever, daemon=True)
         self._beating.start()
-
-    def _beat(self) -> None:
-        path = self._file(f"alive-{self.rank}")
-        with open(path + ".tmp", "w") as f:
-            f.write(str(os.getpid()))
-        os.replace(path + ".tmp", path)
 
     def _beat_forever(self) -> None:
         while not self._stop.wait(HEARTBEAT_SECONDS):
@@ -119,27 +116,21 @@ class Rendezvous:
         self._stop.set()
         if self._beating is not None:
             self._beating.join()
-        try:
-            os.unlink(self._file(f"alive-{self.rank}"))
-        except FileNotFoundError:
-            pass
+        self._unbeat()
 
     def alive(self) -> list[int]:
-        now = time.time()
         ranks = []
         for rank in range(self.num_hosts):
-            try:
-                if now - os.path.getmtime(self._file(f"alive-{rank}")) < STALE_SECONDS:
-                    ranks.append(rank)
-            except FileNotFoundError:
-                pass
+            age = self._beat_age(rank)
+            if age is not None and age < STALE_SECONDS:
+                ranks.append(rank)
         return ranks
 
     # -- generations -------------------------------------------------------
 
     def latest(self) -> tuple[int, dict | None]:
         numbers = [
-            int(name.split("-")[1].split(".")[0]) for name in os.listdir(self.directory)
+            int(name.split("-")[1].split(".")[0]) for name in self._names()
             if name.startswith("generation-") and name.endswith(".json")
         ]
         if not numbers:
@@ -175,15 +166,121 @@ class Rendezvous:
         self._write_once(outcome, content)
 
 
+class DirectoryRendezvous(Rendezvous):
+    """The rendezvous as files of a directory on shared storage: a record
+    is created with an exclusive link, a heartbeat is a file's mtime."""
+
+    def __init__(self, directory: str, rank: int, num_hosts: int):
+        for ended in ("done", "failed"):
+            if os.path.exists(os.path.join(directory, ended)):
+                raise ValueError(
+                    f"Invalid value for argument `rendezvous`: {directory!r} "
+                    f"holds a job that ended (`{ended}`). Give each job its own "
+                    "rendezvous directory (or remove this one)."
+                )
+        os.makedirs(directory, exist_ok=True)
+        super().__init__(rank, num_hosts)
+        self.directory = directory
+
+    def _file(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def _write_once(self, name: str, content: dict) -> bool:
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(content, f)
+        try:
+            os.link(tmp, self._file(name))
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+
+    def read(self, name: str) -> dict | None:
+        try:
+            with open(self._file(name)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def _names(self) -> list[str]:
+        return os.listdir(self.directory)
+
+    def _beat(self) -> None:
+        path = self._file(f"alive-{self.rank}")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+
+    def _unbeat(self) -> None:
+        try:
+            os.unlink(self._file(f"alive-{self.rank}"))
+        except FileNotFoundError:
+            pass
+
+    def _beat_age(self, rank: int) -> float | None:
+        try:
+            return time.time() - os.path.getmtime(self._file(f"alive-{rank}"))
+        except FileNotFoundError:
+            return None
+
+
+class MemoryRendezvous(Rendezvous):
+    """The rendezvous in this process: the hosts of one job are threads
+    that share `store` (a `MemoryRendezvous.Store`)."""
+
+    class Store:
+        def __init__(self):
+            self.lock = threading.Lock()
+            self.records: dict[str, str] = {}
+            self.beats: dict[int, float] = {}
+
+    def __init__(self, store: MemoryRendezvous.Store, rank: int, num_hosts: int):
+        super().__init__(rank, num_hosts)
+        self.store = store
+
+    def _write_once(self, name: str, content: dict) -> bool:
+        with self.store.lock:
+            if name in self.store.records:
+                return False
+            self.store.records[name] = json.dumps(content)
+            return True
+
+    def read(self, name: str) -> dict | None:
+        with self.store.lock:
+            record = self.store.records.get(name)
+        return None if record is None else json.loads(record)
+
+    def _names(self) -> list[str]:
+        with self.store.lock:
+            return list(self.store.records)
+
+    def _beat(self) -> None:
+        with self.store.lock:
+            self.store.beats[self.rank] = time.monotonic()
+
+    def _unbeat(self) -> None:
+        with self.store.lock:
+            self.store.beats.pop(self.rank, None)
+
+    def _beat_age(self, rank: int) -> float | None:
+        with self.store.lock:
+            beat = self.store.beats.get(rank)
+        return None if beat is None else time.monotonic() - beat
+
+
 class ElasticHost:
     """This host's launcher in an elastic multi-host job."""
 
     def __init__(self, command, hosts, rank, rendezvous, *, min_workers, rejoin_after,
                  max_restarts, log_dir, grace_period, verbose, timeouts):
+        """`rendezvous`: a directory on shared storage, or a `Rendezvous`."""
         self.command = command
         self.hosts = hosts
         self.rank = rank
-        self.rz = Rendezvous(rendezvous, rank, len(hosts))
+        self.rz = (rendezvous if isinstance(rendezvous, Rendezvous)
+                   else DirectoryRendezvous(rendezvous, rank, len(hosts)))
         self.job = policy.Job(len(hosts), min_workers, max_restarts, rejoin_after,
                               timeouts.start)
         self.log_dir = log_dir
@@ -225,6 +322,12 @@ class ElasticHost:
         done = self.rz.read("done")
         failed = self.rz.read("failed")
         number, generation = self.rz.latest()
+        if self.group is not None and failed is not None:
+            # The job ended below min_workers: a worker still running
+            # (waiting on peers that are gone) is stopped, not waited for.
+            say(f"job failed: {failed['reason']}; stopping this host's worker")
+            self.group.stop()
+            self.group = None
         if self.group is not None:
             status = self._supervise(number, generation, done)
             if status is not None:
