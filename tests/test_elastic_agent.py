@@ -41,12 +41,23 @@ sys.exit(0 if action == "finish" else int(action))
 '''
 
 
+JOBS = []
+
+
 @pytest.fixture(autouse=True)
 def short_clock(monkeypatch):
+    """The shortened clock; afterwards, any worker a failed test left
+    running is stopped."""
     monkeypatch.setattr(rendezvous, "HEARTBEAT_SECONDS", 0.05)
     monkeypatch.setattr(rendezvous, "STALE_SECONDS", 1.0)
     monkeypatch.setattr(elastic_policy, "STALE_SECONDS", 1.0)
     monkeypatch.setattr(elastic_policy, "SETTLE_SECONDS", 1.5)
+    yield
+    while JOBS:
+        for agent in JOBS.pop().agents:
+            group = agent.group
+            if group is not None:
+                group.stop(signal.SIGKILL)
 
 
 class Job:
@@ -74,6 +85,7 @@ class Job:
         self.codes = [None] * hosts
         self.threads = [threading.Thread(target=self._run, args=(rank,), daemon=True)
                         for rank in range(hosts)]
+        JOBS.append(self)
 
     def _run(self, rank):
         self.codes[rank] = self.agents[rank].run(self.interrupts[rank])

@@ -2,8 +2,10 @@
 
 Usage: worker_main.py SCENARIO OUT_DIR [key=value ...]
 Writes `OUT_DIR/rank{R}.npz` with what the scenario measured.
+`worker_main.py cases CASES.json` runs several scenarios in one process.
 """
 
+import json
 import os
 import signal
 import sys
@@ -21,8 +23,6 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from keras_dist.strategy import worker_info  # noqa: E402
 
-scenario, out_dir = sys.argv[1], sys.argv[2]
-opts = dict(a.split("=", 1) for a in sys.argv[3:])
 rank = worker_info(strategy).rank
 print(keras_dist.describe(strategy), flush=True)
 
@@ -48,9 +48,8 @@ def optimizer(name):
     return keras.optimizers.SGD(0.05) if name == "sgd" else keras.optimizers.Adam(0.02)
 
 
-results = {}
-os.makedirs(out_dir, exist_ok=True)
-if scenario == "train":
+def scenario_train(out_dir, opts):
+    results = {}
     if "policy" in opts:
         keras.config.set_dtype_policy(opts["policy"])
     x, y = data()
@@ -92,8 +91,11 @@ if scenario == "train":
     results["pred"] = model.predict(x, batch_size=batch, verbose=0)
     print("predict done", flush=True)
     model.save(os.path.join(out_dir, "model.keras"))
+    return results
 
-elif scenario == "coverage":
+
+def scenario_coverage(out_dir, opts):
+    results = {}
     # Counts how often each sample is seen across all workers and replicas.
     n = int(opts.get("n", 50))
     x = np.arange(n, dtype="float32").reshape(n, 1)
@@ -155,8 +157,11 @@ elif scenario == "coverage":
         ).map(parse).batch(8)
         model.fit(ds, epochs=epochs, verbose=0, callbacks=[Tally()])
     results["seen"] = seen
+    return results
 
-elif scenario == "callbacks":
+
+def scenario_callbacks(out_dir, opts):
+    results = {}
     # LearningRateScaler + PerReplicaMetrics; rank `slow` sleeps after each
     # step, so the chief must name it as a straggler.
     from keras_dist.callbacks import LearningRateScaler, PerReplicaMetrics
@@ -180,14 +185,20 @@ elif scenario == "callbacks":
                         callbacks=callbacks)
     for key, values in history.history.items():
         results[key.replace("/", "__")] = np.array(values)
+    return results
 
-elif scenario == "agree":
+
+def scenario_agree(out_dir, opts):
+    results = {}
     # Every worker's vote counts: worker r contributes r + 1 and 10 (r + 1).
     from keras_dist import _collectives
 
     results["sum"] = np.array(_collectives.agree_sum(strategy, [rank + 1, 10 * (rank + 1)]))
+    return results
 
-elif scenario == "lean":
+
+def scenario_lean(out_dir, opts):
+    results = {}
     # What fit creates per epoch: the training input's distributed
     # iterators, and whether each checks every step for data left on the
     # other workers (partial-batch handling).
@@ -272,10 +283,33 @@ elif scenario == "lean":
     results["eval_rms"] = np.array(evaluated["rms"])
     for i, w in enumerate(model.get_weights()):
         results[f"w{i}"] = w
+    input_lib.DistributedDataset.__iter__ = original_iter
+    return results
 
+
+SCENARIOS = {"train": scenario_train, "coverage": scenario_coverage,
+             "callbacks": scenario_callbacks, "agree": scenario_agree, "lean": scenario_lean}
+
+
+def run_case(scenario, out_dir, opts):
+    if scenario not in SCENARIOS:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    os.makedirs(out_dir, exist_ok=True)
+    results = SCENARIOS[scenario](out_dir, opts)
+    np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
+
+
+scenario, out_dir = sys.argv[1], sys.argv[2]
+if scenario == "cases":
+    # Several cases one after another in this process (OUT_DIR is a JSON
+    # file: [[scenario, out_dir, "key=value", ...], ...]), as a user's
+    # script runs several fits: each writes its own OUT_DIR/rank{R}.npz.
+    with open(out_dir) as f:
+        cases = json.load(f)
+    for case in cases:
+        print(f"case {case[0]} {case[1]}", flush=True)
+        run_case(case[0], case[1], dict(a.split("=", 1) for a in case[2:]))
+        keras.config.set_dtype_policy("float32")
 else:
-    raise SystemExit(f"unknown scenario {scenario!r}")
-
-os.makedirs(out_dir, exist_ok=True)
-np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
+    run_case(scenario, out_dir, dict(a.split("=", 1) for a in sys.argv[3:]))
 print("done", flush=True)
