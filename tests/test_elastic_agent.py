@@ -204,5 +204,14 @@ def test_the_directory_backend_and_the_memory_backend_agree(tmp_path):
     assert [rz.alive() for rz in stores] == [[], []]
 
 
+def test_a_backend_must_implement_every_primitive():
+    class Partial(rendezvous.Rendezvous):
+        def read(self, name):
+            return None
+
+    with pytest.raises(TypeError, match="abstract"):
+        Partial(0, 1)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

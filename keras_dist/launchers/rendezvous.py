@@ -35,6 +35,7 @@ the job is done (`done` file) and every launcher exits 0.
 
 from __future__ import annotations
 
+import abc
 import json
 import os
 import signal
@@ -56,7 +57,7 @@ HEARTBEAT_SECONDS = 0.5
 STALE_SECONDS = policy.STALE_SECONDS
 
 
-class Rendezvous:
+class Rendezvous(abc.ABC):
     """What the launchers of one elastic job share: heartbeats, records
     written once (generations, exits, the job's end) and reads of them.
 
@@ -75,30 +76,30 @@ class Rendezvous:
 
     # -- the primitives of a backend ----------------------------------------
 
+    @abc.abstractmethod
     def _write_once(self, name: str, content: dict) -> bool:
         """Creates record `name` with `content` unless it exists; True if
         this call created it (exactly one of several racing callers)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read(self, name: str) -> dict | None:
         """Record `name`, or None if it does not exist (yet)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _names(self) -> list[str]:
         """The names of every record."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _beat(self) -> None:
         """This host is alive now."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _unbeat(self) -> None:
         """This host left (its heartbeat is gone at once)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _beat_age(self, rank: int) -> float | None:
         """Seconds since host `rank` last beat (None: it never did or left)."""
-        raise NotImplementedError
 
     # -- heartbeats --------------------------------------------------------
 
