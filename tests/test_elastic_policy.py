@@ -217,7 +217,7 @@ def play_local(terms, elastic, stops):
     for kind, code in stops:
         if kind == "grow":
             assert policy.resize_after(terms, size, elastic) is not None
-            decision = policy.after_a_local_stop_to_grow(terms, size, restarts, code, "why")
+            decision = policy.after_a_local_stop_to_grow(terms, restarts, code, "why")
         else:
             decision = policy.after_a_local_failure(terms, size, restarts, code, "why",
                                                     elastic)
@@ -278,7 +278,7 @@ def test_the_local_reasons_say_what_happened():
     assert policy.after_a_local_failure(terms, 1, 1, 1, "worker 0 exited with code 1",
                                         True).reason == (
         "worker 0 exited with code 1 (after 1 restart(s)) (on 1, the fewest workers allowed)")
-    assert policy.after_a_local_stop_to_grow(terms, 1, 0, 42, "").reason == (
+    assert policy.after_a_local_stop_to_grow(terms, 0, 42, "").reason == (
         "it trained 5s on fewer than 2 workers (the group saved and exited to grow)")
 
 

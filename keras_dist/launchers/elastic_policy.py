@@ -157,7 +157,7 @@ def resize_after(job: Job, size: int, elastic: bool) -> float | None:
     return job.rejoin_after if elastic and size < job.hosts else None
 
 
-def after_a_local_stop_to_grow(job: Job, size: int, restarts: int, code: int,
+def after_a_local_stop_to_grow(job: Job, restarts: int, code: int,
                                reason: str) -> LocalDecision:
     """The group stopped (or saved and exited) to grow back to full size."""
     why = ("the group saved and exited to grow)" if code == PREEMPTED_EXIT_CODE else

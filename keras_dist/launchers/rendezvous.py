@@ -62,8 +62,8 @@ class Rendezvous(abc.ABC):
     written once (generations, exits, the job's end) and reads of them.
 
     The agent (`ElasticHost`) only calls the methods below; a backend
-    implements five primitives: `_write_once`, `read`, `_names`, `_beat`
-    (with `_unbeat`) and `_beat_age`. `DirectoryRendezvous` keeps them in a
+    implements six primitives: `_write_once`, `read`, `_names`, `_beat`,
+    `_unbeat` and `_beat_age`. `DirectoryRendezvous` keeps them in a
     directory on shared storage (multi-host jobs); `MemoryRendezvous` in
     one process (the agent's tests, hosts as threads).
     """

@@ -213,7 +213,6 @@ class _Job:
         self.grace_period = grace_period
         self.verbose = verbose
         self.timeouts = timeouts
-        self.max_restarts = max_restarts
         self.redraw_ports = redraw_ports
         self.size = size
         self.elastic = min_workers is not None
@@ -257,7 +256,7 @@ class _Job:
             return "retry"
         if decision.action == "restart":
             self.restarts = decision.restarts
-            say(f"restarting the worker group ({self.restarts}/{self.max_restarts}) "
+            say(f"restarting the worker group ({self.restarts}/{self.terms.max_restarts}) "
                 f"because {decision.reason}")
             return "retry"
         say(f"job failed: {decision.reason}")
@@ -289,7 +288,7 @@ class _Job:
         if not outcome.stopped_to_resize:
             return None
         return self._carry_out(policy.after_a_local_stop_to_grow(
-            self.terms, self.size, self.restarts, outcome.code, outcome.reason), outcome.code)
+            self.terms, self.restarts, outcome.code, outcome.reason), outcome.code)
 
     def _on_failure(self, outcome, configs):
         if outcome.interrupted:
