@@ -105,6 +105,31 @@ def test_fit_creates_the_iterators_it_uses_and_releases_them(created):
         assert all(ref() is None for ref in created)
 
 
+def test_a_fit_that_raises_releases_its_iterators_when_it_ends(created):
+    # An exception raised through Keras' fit keeps the fit's frames (and the
+    # iterators they hold) in a reference cycle while anything holds the
+    # exception: freed only by a later garbage collection, an autotuned
+    # iterator that has lived for minutes can take up to 60 s to tear down,
+    # inside whatever runs then. keras_dist releases them when the call ends.
+    x = np.random.rand(64, 3).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                raise RuntimeError("stopped mid-epoch")
+
+    model = _model()
+    with pytest.raises(RuntimeError, match="mid-epoch") as raised:
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[Crash()],
+                  validation_data=(x, y))
+    assert len(created) == 1
+    assert _keras_compat.wait_for_released_iterators()
+    assert created[0]() is None
+    # The traceback still holds fit's frames: the iterator is gone anyway.
+    assert raised.value.__traceback__ is not None
+
+
 def test_keras_models_inside_the_fit_keep_their_iterators():
     # The lazy iterator stands in only for the training input of a
     # DistributedModel.fit; evaluate, predict and plain Keras are untouched.

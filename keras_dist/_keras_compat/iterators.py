@@ -12,6 +12,7 @@ import os
 import queue
 import sys
 import threading
+import weakref
 
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
@@ -44,6 +45,12 @@ class _LazyIterator:
         self._cursor = cursor
         self._background_release = background_release
         self._iterator = None
+
+    def release(self) -> None:
+        """Tears the real iterator down now (the call that used it ended)."""
+        iterator, self._iterator = self._iterator, None
+        if iterator is not None and self._background_release:
+            _release_later(iterator)
 
     def materialize(self):
         if self._iterator is None:
@@ -157,13 +164,17 @@ class _LazyDataset:
     where Keras drops them, as in Keras.
     """
 
-    def __init__(self, dataset, cursor=None, background_release=False):
+    def __init__(self, dataset, cursor=None, background_release=False, made=None):
         self._dataset = dataset
         self._cursor = cursor
         self._background_release = background_release
+        self._made = made  # a WeakSet of the iterators handed out, or None
 
     def __iter__(self):
-        return _LazyIterator(self._dataset, self._cursor, self._background_release)
+        iterator = _LazyIterator(self._dataset, self._cursor, self._background_release)
+        if self._made is not None:
+            self._made.add(iterator)
+        return iterator
 
     def __getattr__(self, name):
         return getattr(self._dataset, name)
@@ -226,9 +237,20 @@ def lean_epoch_iterators(cursor=None, full_batches: bool = False):
       without partial-batch handling, which under multi-worker training
       costs one cross-worker all-reduce per step ("has any worker data
       left?", `input_lib._calculate_replicas_with_values`).
+
+    When the call ends, normally or by an exception, every iterator it made
+    that is still alive is torn down. An exception raised through Keras'
+    `fit` keeps its frames, and so its iterators, in a reference cycle that
+    only a later garbage collection frees, inside whatever runs then (the
+    next trial, the next fit); and the teardown of an autotuned `tf.data`
+    iterator that has lived for minutes can block for up to 60 s
+    (TensorFlow's autotuning thread can miss its cancellation and sleep out
+    its optimization period, which grows to 60 s). Torn down when the call
+    ends, it is as young as the call.
     """
     original = keras_tf_trainer.TFEpochIterator.__init__
     seen = []
+    made = weakref.WeakSet()
 
     def init(self, *args, **kwargs):
         first = not seen
@@ -245,6 +267,7 @@ def lean_epoch_iterators(cursor=None, full_batches: bool = False):
             cursor if first else None,
             background_release=is_multi_worker(strategy)
             and _tensorflow_fed(self.data_adapter),
+            made=made,
         )
 
     keras_tf_trainer.TFEpochIterator.__init__ = init
@@ -252,6 +275,8 @@ def lean_epoch_iterators(cursor=None, full_batches: bool = False):
         yield
     finally:
         keras_tf_trainer.TFEpochIterator.__init__ = original
+        for iterator in list(made):
+            iterator.release()
 
 
 _PARTIAL_BATCHES = "experimental_enable_get_next_as_optional"
