@@ -249,7 +249,11 @@ def start_host(tmp_path, hosts, rank, options, log):
     return subprocess.Popen(
         [sys.executable, "-m", "keras_dist.cli", "launch", "--hosts", ",".join(hosts),
          "--rank", str(rank), "--min-workers", "1", "--rejoin-after", "10",
-         "--rendezvous", str(tmp_path / "rendezvous"), "--grace-period", "3",
+         # A preempted host's worker saves with its peers before it exits 42:
+         # under load that took over 3 s (the worker was then SIGKILLed and
+         # its host counted as lost, not preempted). A worker that exits on
+         # its own never waits for the grace period.
+         "--rendezvous", str(tmp_path / "rendezvous"), "--grace-period", "20",
          SCRIPT, str(tmp_path / "job"), str(tmp_path / "backup"), *options],
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES=""),
         stdout=log, stderr=subprocess.STDOUT, text=True,
