@@ -1,6 +1,7 @@
 """Golden runs of `keras_dist.dtensor.shard` (a subprocess: DTensor starts first).
 
 Usage:
+    golden_main.py steps MESH MODE[=ARG] ...  the modes below in one process
     golden_main.py golden MESH   one JSON line per (model, optimizer): the max
                                  |weight difference| to one device, bytes
     golden_main.py save MESH DIR trains 1 epoch (tf.data input), saves
@@ -11,6 +12,7 @@ MESH is model2, model4 or batch2_model2.
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -168,9 +170,16 @@ def save(mesh, directory):
     sharded.save(os.path.join(directory, "model.keras"))
     sharded.save_weights(os.path.join(directory, "model.weights.h5"))
     np.savez(os.path.join(directory, "after_one_epoch.npz"), *sharded.get_weights())
+    open(os.path.join(directory, "saved"), "w").close()  # what `load` waits for
 
 
 def load(mesh, directory):
+    # Saved by another process (`save`), possibly still running.
+    deadline = time.monotonic() + 600
+    while not os.path.exists(os.path.join(directory, "saved")):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"nothing saved in {directory}")
+        time.sleep(0.5)
     x, y = classification_data()
     reference = classifier()
     reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
@@ -619,31 +628,46 @@ def errors(mesh, directory):
     print(json.dumps(messages), flush=True)
 
 
-if __name__ == "__main__":
-    mode, mesh_name = sys.argv[1], sys.argv[2]
-    shape = MESHES[mesh_name]
-    mesh = kd.make_mesh(shape, [f"cpu:{i}" for i in range(int(np.prod(list(shape.values()))))])
+def run(mode, mesh, args):
     if mode == "golden":
-        golden(mesh, sys.argv[3].split(",") if len(sys.argv) > 3 else KINDS)
+        golden(mesh, args[0].split(",") if args else KINDS)
     elif mode == "layout_map":
         keras_layout_map(mesh)
     elif mode == "user_code":
         user_code(mesh)
     elif mode == "multiclient":
-        multiclient(mesh, sys.argv[3])
+        multiclient(mesh, args[0])
     elif mode == "callbacks":
-        callbacks(mesh, sys.argv[3])
+        callbacks(mesh, args[0])
     elif mode == "backup_killed":
-        backup_killed(mesh, sys.argv[3])
+        backup_killed(mesh, args[0])
     elif mode == "backup_resumed":
-        print(json.dumps(resume_from(mesh, sys.argv[3])), flush=True)
+        print(json.dumps(resume_from(mesh, args[0])), flush=True)
     elif mode == "kd_backup_killed":
-        backup_killed(mesh, sys.argv[3], ours=True)
+        backup_killed(mesh, args[0], ours=True)
     elif mode == "kd_backup_resumed":
-        print(json.dumps(resume_from(mesh, sys.argv[3], ours=True)), flush=True)
+        print(json.dumps(resume_from(mesh, args[0], ours=True)), flush=True)
     elif mode == "save":
-        save(mesh, sys.argv[3])
+        save(mesh, args[0])
     elif mode == "load":
-        load(mesh, sys.argv[3])
+        load(mesh, args[0])
+    elif mode == "errors":
+        errors(mesh, args[0])
     else:
-        errors(mesh, sys.argv[3])
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    mode, mesh_name = sys.argv[1], sys.argv[2]
+    shape = MESHES[mesh_name]
+    mesh = kd.make_mesh(shape, [f"cpu:{i}" for i in range(int(np.prod(list(shape.values()))))])
+    if mode == "steps":
+        # Several modes one after another on one mesh in one process (one
+        # TensorFlow start): `steps MESH MODE[=ARG] ...`, each mode's lines
+        # after a {"step": MODE} line.
+        for step in sys.argv[3:]:
+            name, _, arg = step.partition("=")
+            print(json.dumps({"step": name}), flush=True)
+            run(name, mesh, [arg] if arg else [])
+    else:
+        run(mode, mesh, sys.argv[3:])

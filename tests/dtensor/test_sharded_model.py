@@ -1,8 +1,9 @@
 """Golden equivalence, memory, saving and errors of `keras_dist.dtensor.shard`.
 
-Each mesh runs in its own process (tests/dtensor/golden_main.py): DTensor
-must start before TensorFlow, and (measured here) a process that trained on
-a 2-device mesh hung on a 4-device one.
+Each mesh runs in its own process (tests/dtensor/golden_main.py), every
+check on that mesh one after another in it: DTensor must start before
+TensorFlow, and (measured here) a process that trained on a 2-device mesh
+hung on a 4-device one.
 """
 
 import json
@@ -23,23 +24,49 @@ def rows_of(done):
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
+class Step:
+    """One mode's part of a `golden_main.py steps` process's output."""
+
+    def __init__(self, done, lines):
+        self.returncode, self.stderr = done.returncode, done.stderr
+        self.stdout = "\n".join(lines)
+
+
+def steps_of(done) -> dict:
+    """{mode: Step} from a `golden_main.py steps` process."""
+    found, name = {}, None
+    for line in done.stdout.splitlines():
+        if line.startswith('{"step": '):
+            name = json.loads(line)["step"]
+            found[name] = []
+        elif name is not None:
+            found[name].append(line)
+    return {name: Step(done, lines) for name, lines in found.items()}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every golden process, two at a time (outcomes are checked, not speed)."""
+    """Every golden, one process per mesh, two at a time (outcomes are
+    checked, not speed). Saved on batch=2 x model=2 (its first step), then
+    loaded onto model=4 (its last; it waits for the save)."""
     saved = str(tmp_path_factory.mktemp("saved"))
     errors = str(tmp_path_factory.mktemp("errors"))
-    commands = {mesh: [sys.executable, SCRIPT, "golden", mesh]
-                for mesh in ("model2", "model4", "batch2_model2")}
-    # Saved on batch=2 x model=2, then loaded onto model=4 (in order).
-    commands["save_load"] = [[sys.executable, SCRIPT, "save", "batch2_model2", saved],
-                             [sys.executable, SCRIPT, "load", "model4", saved]]
-    commands["errors"] = [sys.executable, SCRIPT, "errors", "batch2_model2", errors]
-    commands["layout_map"] = [sys.executable, SCRIPT, "layout_map", "batch2_model2"]
-    commands["user_code"] = [sys.executable, SCRIPT, "user_code", "batch2_model2"]
     callbacks = str(tmp_path_factory.mktemp("callbacks"))
-    commands["callbacks"] = [sys.executable, SCRIPT, "callbacks", "batch2_model2", callbacks]
-    done = run_concurrently(commands)
-    return done, saved, errors
+    done = run_concurrently({
+        "batch2_model2": [sys.executable, SCRIPT, "steps", "batch2_model2", f"save={saved}",
+                          "golden", "layout_map", "user_code", f"callbacks={callbacks}",
+                          f"errors={errors}"],
+        "model4": [sys.executable, SCRIPT, "steps", "model4", "golden", f"load={saved}"],
+        "model2": [sys.executable, SCRIPT, "golden", "model2"],
+    })
+    results = {"model2": done["model2"]}
+    for mesh in ("batch2_model2", "model4"):
+        rows_of(done[mesh])  # the process succeeded
+        steps = steps_of(done[mesh])
+        results[mesh] = steps.pop("golden")
+        results.update(steps)
+    results["save_load"] = results.pop("load")
+    return results, saved, errors
 
 
 @pytest.mark.parametrize("mesh", ["model2", "model4", "batch2_model2"])
