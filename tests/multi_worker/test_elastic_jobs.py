@@ -128,11 +128,24 @@ def last_record_per_step(ids_file):
     return kept
 
 
+_REFERENCES = {}  # training options (backup frequency left out) -> weights
+
+
+def uninterrupted(tmp_path, options):
+    """The weights of an uninterrupted 2-worker run with these training
+    options. How often backups are saved changes no weight: the jobs here
+    that differ only in it share one reference run."""
+    key = tuple(o for o in options if not o.startswith("freq="))
+    if key not in _REFERENCES:
+        run_workers(SCRIPT, [str(tmp_path / "ref"), str(tmp_path / "ref-backup"), *key])
+        _REFERENCES[key] = weights(tmp_path / "ref" / "rank0.npz")
+    return _REFERENCES[key]
+
+
 def check_the_run(tmp_path, job, options, epochs):
     """Weights of an uninterrupted 2-worker run on every final worker; each
     sample trained once per epoch; every step of every epoch trained."""
-    run_workers(SCRIPT, [str(tmp_path / "ref"), str(tmp_path / "ref-backup"), *options])
-    reference = weights(tmp_path / "ref" / "rank0.npz")
+    reference = uninterrupted(tmp_path, options)
     final = job.size()
     for rank in range(final):
         assert max_diff(reference, weights(job.out_dir / f"rank{rank}.npz")) < 1e-5
