@@ -66,9 +66,8 @@ class _LazyIterator:
         return next(self.materialize())
 
     def __del__(self):
-        iterator = self.__dict__.pop("_iterator", None)
-        if iterator is not None and self.__dict__.get("_background_release"):
-            _release_later(iterator)
+        if "_iterator" in self.__dict__:  # fully constructed (set last)
+            self.release()
 
     def __getattr__(self, name):
         return getattr(self.materialize(), name)
@@ -164,16 +163,15 @@ class _LazyDataset:
     where Keras drops them, as in Keras.
     """
 
-    def __init__(self, dataset, cursor=None, background_release=False, made=None):
+    def __init__(self, dataset, made, cursor=None, background_release=False):
         self._dataset = dataset
+        self._made = made  # a WeakSet: the iterators handed out by this call
         self._cursor = cursor
         self._background_release = background_release
-        self._made = made  # a WeakSet of the iterators handed out, or None
 
     def __iter__(self):
         iterator = _LazyIterator(self._dataset, self._cursor, self._background_release)
-        if self._made is not None:
-            self._made.add(iterator)
+        self._made.add(iterator)
         return iterator
 
     def __getattr__(self, name):
@@ -264,10 +262,10 @@ def lean_epoch_iterators(cursor=None, full_batches: bool = False):
             cursor.dataset = self._distributed_dataset
         self._distributed_dataset = _LazyDataset(
             self._distributed_dataset,
+            made,
             cursor if first else None,
             background_release=is_multi_worker(strategy)
             and _tensorflow_fed(self.data_adapter),
-            made=made,
         )
 
     keras_tf_trainer.TFEpochIterator.__init__ = init
