@@ -8,12 +8,15 @@ that every worker issues in the same order (see STYLE.md, Callbacks):
 - `agreed_seed`: a shuffle seed drawn by the chief, shared by all.
 - `broadcast_from_chief`: an int64 vector from the chief to every worker.
 - `agree_on_finite`: in a replica step, the loss-scale verdict made global.
-- `callbacks_for_this_worker`: Keras' file-writing callbacks on the chief only.
+- `callbacks_for_this_worker`: Keras' file-writing callbacks on the chief
+  only; Keras' `BackupAndRestore` writes the shared backup on the chief only.
 
 `worker_info` (the public rank description) lives in `keras_dist.strategy`.
 """
 
 from __future__ import annotations
+
+import tempfile
 
 import keras
 import numpy as np
@@ -55,7 +58,66 @@ def callbacks_for_this_worker(strategy: tf.distribute.Strategy, callbacks):
         or is_chief(strategy)
     ):
         return callbacks
-    return [c for c in callbacks if type(c) not in CHIEF_ONLY_CALLBACKS]
+    return [
+        _PrivateBackupWrites(c) if type(c) is keras.callbacks.BackupAndRestore else c
+        for c in callbacks
+        if type(c) not in CHIEF_ONLY_CALLBACKS
+    ]
+
+
+class _PrivateBackupWrites(keras.callbacks.Callback):
+    """Keras' `BackupAndRestore` on a worker that is not the chief.
+
+    Every worker restores from the shared `backup_dir` (all must start from
+    the same step); only the chief writes and deletes it. The others save
+    (their `save_weights` is a collective every worker joins) into a
+    private scratch directory, so that two workers never copy, truncate or
+    delete the same file (which failed with FileNotFoundError when both
+    deleted the directory at the end of training). The callback's own
+    paths are switched around each write only: it is left as the user
+    made it, even when `fit` raises.
+    """
+
+    def __init__(self, callback):
+        super().__init__()
+        self.callback = callback
+        self._scratch = None
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.callback.set_model(model)
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.callback.set_params(params)
+
+    def _privately(self, hook, *args):
+        if self._scratch is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="keras_dist_backup_")
+        shared = _keras_compat.keras_backup_paths(self.callback)
+        _keras_compat.set_keras_backup_paths(
+            self.callback,
+            _keras_compat.keras_backup_paths_in(self.callback, self._scratch.name),
+        )
+        try:
+            hook(*args)
+        finally:
+            _keras_compat.set_keras_backup_paths(self.callback, shared)
+
+    def on_train_begin(self, logs=None):
+        self.callback.on_train_begin(logs)  # restores from the shared directory
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._privately(self.callback.on_epoch_end, epoch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._privately(self.callback.on_train_batch_end, batch, logs)
+
+    def on_train_end(self, logs=None):
+        self._privately(self.callback.on_train_end, logs)
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
 
 
 _SUM_FUNCTIONS: dict = {}

@@ -1,6 +1,7 @@
 """Collectives and rank logic (`keras_dist._collectives`), checked directly."""
 
 import keras
+import pytest
 import numpy as np
 import tensorflow as tf
 
@@ -60,3 +61,55 @@ def test_agreements_on_one_worker_are_the_values_themselves():
     assert _collectives.agree_sum(strategy, [3, 0, 7]) == [3, 0, 7]
     assert _collectives.agree_any(strategy, [True, False]) == [True, False]
     assert not _collectives.is_multi_worker(strategy)
+
+
+def small_model():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    return model
+
+
+def files_and_times(directory):
+    return {p.name: p.stat().st_mtime_ns for p in sorted(directory.iterdir())}
+
+
+def test_keras_backup_is_written_and_deleted_by_the_chief_only(tmp_path, monkeypatch):
+    """Keras' own BackupAndRestore, one shared backup_dir: a worker that is
+    not the chief restores from it but never writes or deletes it (two
+    workers both deleting it at the end of training raised
+    FileNotFoundError)."""
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 1), "float32")
+    shared = tmp_path / "backup"
+    chief = small_model()
+    chief.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[
+        keras.callbacks.BackupAndRestore(str(shared), delete_checkpoint=False)])
+    before = files_and_times(shared)
+    assert "training_metadata.json" in before
+
+    monkeypatch.setattr(_collectives, "is_multi_worker", lambda strategy: True)
+    monkeypatch.setattr(_collectives, "is_chief", lambda strategy: False)
+    user_callback = keras.callbacks.BackupAndRestore(str(shared), save_freq=1)
+    paths = dict(vars(user_callback))
+    (worker_callback,) = _collectives.callbacks_for_this_worker(None, [user_callback])
+    worker = small_model()
+    history = worker.fit(x, y, batch_size=4, epochs=4, verbose=0,
+                         callbacks=[worker_callback])
+    # Restored from the shared backup (epoch 2), written elsewhere, and the
+    # shared backup (which the chief deletes) left as it was.
+    assert history.epoch == [2, 3]
+    assert files_and_times(shared) == before
+    assert {k: vars(user_callback)[k] for k in paths if "path" in k or k == "backup_dir"} \
+        == {k: v for k, v in paths.items() if "path" in k or k == "backup_dir"}
+
+    # A fit that raises leaves the callback's paths as the user made them.
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise RuntimeError("boom")
+
+    (worker_callback,) = _collectives.callbacks_for_this_worker(None, [user_callback])
+    with pytest.raises(RuntimeError, match="boom"):
+        small_model().fit(x, y, batch_size=4, epochs=4, verbose=0,
+                          callbacks=[worker_callback, Boom()])
+    assert user_callback.backup_dir == str(shared)
+    assert user_callback._weights_path == str(shared / "latest.weights.h5")
+    assert files_and_times(shared) == before

@@ -67,9 +67,12 @@ from keras_dist._keras_compat import variables as _variables
 from keras_dist._keras_compat.callbacks import (  # noqa: F401 (the one door)
     KERAS_CALLBACK_STATE,
     global_seed_variables,
+    keras_backup_paths,
+    keras_backup_paths_in,
     keras_metrics_only,
     learning_rate_variable,
     set_initial_epoch,
+    set_keras_backup_paths,
     set_learning_rate_variable,
 )
 from keras_dist._keras_compat.distribute import (  # noqa: F401 (the one door)

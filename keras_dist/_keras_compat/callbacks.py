@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import os
+
 import keras
 
 
@@ -32,6 +34,36 @@ KERAS_CALLBACK_STATE = {
 }
 """The attributes that make up the state of Keras' stateful callbacks, which
 have no `get_state()`: saved in a backup, set again on resume."""
+
+
+KERAS_BACKUP_PATHS = (
+    "backup_dir",
+    "_weights_path",
+    "_training_metadata_path",
+    "_prev_weights_path",
+    "_prev_training_metadata_path",
+)
+"""Where `keras.callbacks.BackupAndRestore` writes: its directory and the
+four files in it (read at `on_train_begin`, written at every save, the
+directory deleted at `on_train_end`)."""
+
+
+def keras_backup_paths(callback) -> dict:
+    """The paths a `keras.callbacks.BackupAndRestore` reads and writes."""
+    return {name: getattr(callback, name) for name in KERAS_BACKUP_PATHS}
+
+
+def keras_backup_paths_in(callback, directory: str) -> dict:
+    """The same files as `callback`'s, in `directory`."""
+    paths = {"backup_dir": directory}
+    for name in KERAS_BACKUP_PATHS[1:]:
+        paths[name] = os.path.join(directory, os.path.basename(getattr(callback, name)))
+    return paths
+
+
+def set_keras_backup_paths(callback, paths: dict) -> None:
+    for name, value in paths.items():
+        setattr(callback, name, value)
 
 
 def set_initial_epoch(model, epoch: int | None) -> None:
@@ -72,6 +104,9 @@ INTERNALS = {
         "_initial_epoch",
     ),
     "keras.src.backend.common.global_state": ("get_global_attribute",),
+    "keras.src.callbacks.backup_and_restore.BackupAndRestore.__init__ (source)": (
+        KERAS_BACKUP_PATHS[1:]
+    ),
 }
 """The private Keras/TF symbols this module uses, by owner (merged into
 `keras_dist._keras_compat.INTERNALS`, which tests/test_keras_compat.py pins)."""

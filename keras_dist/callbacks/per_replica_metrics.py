@@ -26,7 +26,7 @@ _SCALAR_METADATA = summary_pb2.SummaryMetadata(
 ).SerializeToString()
 
 # Columns of the running totals kept per replica in the graph.
-_SAMPLES, _WAITED, _STEPS = 0, 1, 2
+_SAMPLES, _WAITED, _STEPS, _ELAPSED = 0, 1, 2, 3
 
 
 class _ReplicaMonitor:
@@ -71,7 +71,7 @@ class _ReplicaMonitor:
                 name="kd_per_replica_latest",
             )
             self.totals = tf.Variable(
-                tf.zeros([strategy.num_replicas_in_sync, 3], tf.float32),
+                tf.zeros([strategy.num_replicas_in_sync, 4], tf.float32),
                 trainable=False,
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
@@ -84,6 +84,18 @@ class _ReplicaMonitor:
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
                 name="kd_per_replica_input_wait",
             )
+            # When this replica's last step ended (its host's clock,
+            # seconds since the Unix epoch), or when its worker began the
+            # epoch: each step's elapsed time is measured from it on the
+            # replica's own clock.
+            self.step_end = tf.Variable(
+                0.0,
+                dtype=tf.float64,
+                trainable=False,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                name="kd_per_replica_step_end",
+            )
 
     @property
     def trace_values(self) -> dict:
@@ -94,6 +106,11 @@ class _ReplicaMonitor:
     @trace_values.setter
     def trace_values(self, values: dict) -> None:
         self._local.values = values
+
+    def start_epoch(self) -> None:
+        """Marks the epoch's start: its first step's elapsed time counts from now."""
+        if self.multi_worker:
+            self.step_end.assign(time.time())
 
     def before_input(self) -> list:
         """The barrier before a step reads its input (cross-replica context)."""
@@ -141,14 +158,22 @@ class _ReplicaMonitor:
                     tf.cast(monitor.trace_values.get("grad_norm", float("nan")), tf.float32)
                 )
             first = next(t for t in tf.nest.flatten(data) if t is not None)
-            waited = compute = tf.zeros([])
+            waited = compute = elapsed = tf.zeros([])
+            ended = []
             if monitor.multi_worker:
                 with tf.control_dependencies(values):
                     finished = monitor.trace_values.get("compute_done")
                     finished = tf.timestamp() if finished is None else finished
                 compute = tf.cast(finished - started, tf.float32)
                 waited = tf.cast(started - arrived, tf.float32) + monitor.input_wait
-            values += [tf.cast(tf.shape(first)[0], tf.float32), waited, compute]
+                with tf.control_dependencies([finished, *values]):
+                    now = tf.timestamp()
+                # This step's time on this replica's own clock, from the end
+                # of its previous step (its host's time between steps
+                # included): each worker's step time is measured by itself.
+                elapsed = tf.cast(now - monitor.step_end, tf.float32)
+                ended = [monitor.step_end.assign(now)]
+            values += [tf.cast(tf.shape(first)[0], tf.float32), waited, elapsed, compute]
             row = tf.stack(values)[None, :]
             if monitor.multi_worker:
                 table = context.all_gather(row, axis=0)
@@ -157,9 +182,10 @@ class _ReplicaMonitor:
                 # the gradient all-reduce: count that as waiting too.
                 lag = tf.reduce_max(computes) - computes
                 increments = tf.stack(
-                    [table[:, -3], table[:, -2] + lag, tf.ones_like(lag)], axis=1
+                    [table[:, -4], table[:, -3] + lag, tf.ones_like(lag), table[:, -2]],
+                    axis=1,
                 )
-                latest = table[:, :-3]
+                latest = table[:, :-4]
             else:
                 # One worker: every replica is in this process, and the host
                 # reads each one's own copy (no collective per step).
@@ -168,11 +194,12 @@ class _ReplicaMonitor:
                     context.num_replicas_in_sync,
                     dtype=tf.float32,
                 )[:, None]
-                increments = mine * tf.stack([row[0, -3], 0.0, 1.0])[None, :]
-                latest = row[:, :-3]
+                increments = mine * tf.stack([row[0, -4], 0.0, 1.0, 0.0])[None, :]
+                latest = row[:, :-4]
             updates = [
                 monitor.latest.assign(latest),
                 monitor.totals.assign_add(increments),
+                *ended,
             ]
             with tf.control_dependencies(updates):
                 return tf.nest.map_structure(tf.identity, logs)
@@ -180,7 +207,7 @@ class _ReplicaMonitor:
         return monitored_step
 
     def read(self):
-        """(latest values [replicas, keys], totals [replicas, 3]) on the host."""
+        """(latest values [replicas, keys], totals [replicas, 4]) on the host."""
         if self.multi_worker:
             return self.latest.numpy(), self.totals.numpy()
         local = self.strategy.experimental_local_results
@@ -444,6 +471,7 @@ class PerReplicaMetrics(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         run = self._run
         run.epoch = epoch
+        run.monitor.start_epoch()
         run.epoch_window = _Window(time.perf_counter(), run.monitor.read()[1])
 
     def on_train_batch_end(self, batch, logs=None):
@@ -504,7 +532,7 @@ class PerReplicaMetrics(keras.callbacks.Callback):
                 values[f"step_time/worker_{worker}"] = float(value)
             per_worker = samples.reshape(run.workers, run.per_worker).sum(axis=1)
             for worker, value in enumerate(per_worker):
-                values[f"samples_per_sec/worker_{worker}"] = float(value / wall)
+                values[f"samples_per_sec/worker_{worker}"] = float(value / wall[worker])
             values["step_time_ratio"] = float(
                 np.max(step_times) / max(np.min(step_times), 1e-12)
             )
@@ -590,14 +618,22 @@ class _Window:
         self.totals = np.array(totals, copy=True)
 
     def worker_times(self, now: float, totals, run):
-        """(busy seconds per step per worker, wall seconds) or None."""
+        """(busy seconds per step per worker, wall seconds per worker) or None.
+
+        With several workers each one's time comes from its own clock,
+        summed in the graph step by step (`_ELAPSED`): the window of the
+        worker that reads would not do, its epoch may begin while a peer's
+        wait for it already runs. One worker: this host's wall time.
+        """
         delta = totals - self.totals
         steps = float(delta[0, _STEPS]) if delta.size else 0.0
-        wall = now - self.start
-        if steps <= 0 or wall <= 0:
+        if run.workers > 1:
+            elapsed = delta[:, _ELAPSED].reshape(run.workers, run.per_worker)
+        else:
+            elapsed = np.full([1, run.per_worker], now - self.start)
+        if steps <= 0 or np.any(elapsed <= 0):
             return None
-        # A worker is as busy as its busiest replica: the one that waited
-        # least.
+        # A worker is as busy as its busiest replica.
         waited = delta[:, _WAITED].reshape(run.workers, run.per_worker)
-        busy = (wall - waited.min(axis=1)) / steps
-        return np.maximum(busy, 0.0), wall
+        busy = (elapsed - waited).max(axis=1) / steps
+        return np.maximum(busy, 0.0), elapsed.max(axis=1)

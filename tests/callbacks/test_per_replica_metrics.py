@@ -165,3 +165,18 @@ def test_a_resumed_run_continues_the_step_axis_of_its_csv(tmp_path):
 
     assert steps(path) == steps(whole)
     assert steps(whole)[-1] == ("2", "12")
+
+
+def test_each_worker_step_time_comes_from_its_own_clock():
+    """Two workers, one replica each, 4 steps. Worker 0 waited 3 s for
+    worker 1, 1 s of it before the reading worker's window began: its step
+    time is its own elapsed time minus its own waits, never the reader's
+    window minus its waits (which was negative, logged as 0)."""
+    run = per_replica_metrics._Run(workers=2, per_worker=1)
+    # Columns: samples, waited, steps, elapsed (per replica, in the graph).
+    start = np.zeros([2, 4], np.float32)
+    totals = np.array([[16, 3.0, 4, 3.4], [16, 0.0, 4, 2.8]], np.float32)
+    window = per_replica_metrics._Window(100.0, start)
+    step_times, wall = window.worker_times(102.5, totals, run)
+    np.testing.assert_allclose(step_times, [0.1, 0.7], rtol=1e-6)
+    np.testing.assert_allclose(wall, [3.4, 2.8], rtol=1e-6)

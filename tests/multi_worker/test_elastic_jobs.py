@@ -254,7 +254,7 @@ def test_random_kill_shrink_grow_events(tmp_path, request):
         kind = ("grow" if int(after) > int(before) else
                 "preempt" if "preempted" in reason else "kill")
         kinds[kind] += 1
-    assert min(kinds.values()) >= each_kind, kinds
+    assert min(kinds.values()) >= each_kind, (kinds, fired, resizes)
     check_the_run(tmp_path, job, options, epochs)
 
 

@@ -180,6 +180,11 @@ def scenario_callbacks(out_dir, opts):
             def on_train_batch_end(self, batch_index, logs=None):
                 time.sleep(0.15)
 
+            def on_epoch_end(self, epoch, logs=None):
+                # Its peers begin the next epoch and wait for it: its epoch
+                # begins well after theirs.
+                time.sleep(0.6)
+
         callbacks.append(Sleep())
     history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
                         callbacks=callbacks)
