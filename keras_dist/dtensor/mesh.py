@@ -181,9 +181,22 @@ def make_mesh(
 def _default_devices() -> list[str]:
     from tensorflow.experimental import dtensor
 
+    clients = dtensor.num_clients()
     for kind in ("GPU", "TPU", "CPU"):
         found = tf.config.list_logical_devices(kind)
+        if clients > 1:
+            # Once the multi-client cluster is up, TensorFlow lists every
+            # client's devices: count this client's own, then number all of
+            # them globally (every client has as many).
+            me = dtensor.client_id()
+            found = [d for d in found if _is_local(d.name, me)]
         if found:
-            count = len(found) * dtensor.num_clients()  # global numbering
+            count = len(found) * clients
             return [f"{kind.lower()}:{i}" for i in range(count)]
     return []
+
+
+def _is_local(name: str, client_id: int) -> bool:
+    """Whether a device name is this process's (`localhost`, or its task)."""
+    spec = tf.DeviceSpec.from_string(name)
+    return spec.job in (None, "localhost") or spec.task in (None, client_id)

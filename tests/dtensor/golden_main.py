@@ -660,7 +660,13 @@ def run(mode, mesh, args):
 if __name__ == "__main__":
     mode, mesh_name = sys.argv[1], sys.argv[2]
     shape = MESHES[mesh_name]
-    mesh = kd.make_mesh(shape, [f"cpu:{i}" for i in range(int(np.prod(list(shape.values()))))])
+    if os.environ.get("TF_CONFIG"):
+        # As docs/model_parallel.md shows it: the default devices, every
+        # process's numbered globally.
+        mesh = kd.make_mesh(shape)
+    else:
+        mesh = kd.make_mesh(
+            shape, [f"cpu:{i}" for i in range(int(np.prod(list(shape.values()))))])
     if mode == "steps":
         # Several modes one after another on one mesh in one process (one
         # TensorFlow start): `steps MESH MODE[=ARG] ...`, each mode's lines
