@@ -108,9 +108,11 @@ from keras_dist._keras_compat.trainer import (  # noqa: F401 (the one door)
     compute_loss,
     concat,
     functional_init_arguments,
+    logits_of,
     loss_tracker,
     symbolic_build,
     unscale_loss_for_distribution,
+    with_logits,
 )
 from keras_dist._keras_compat.variables import (  # noqa: F401 (the one door)
     alias_registered_name,

@@ -110,6 +110,45 @@ def loss_tracker(model) -> keras.metrics.Mean:
     return model._loss_tracker
 
 
+def logits_of(y_pred) -> tuple[list, list]:
+    """(logits, forms) of a model's outputs in the graph that made them.
+
+    Keras' crossentropies on the TensorFlow backend compute from the logits
+    a prediction came from: `_keras_logits` (set by Keras' softmax and
+    sigmoid activations), else the input of a Softmax/Sigmoid op. The form
+    of each flat output: "keras", "Softmax", "Sigmoid" or None (no logits;
+    the prediction itself is returned in their place).
+    """
+    logits, forms = [], []
+    for output in tf.nest.flatten(y_pred):
+        op = getattr(output, "op", None)
+        if hasattr(output, "_keras_logits"):
+            forms.append("keras")
+            logits.append(output._keras_logits)
+        elif op is not None and op.type in ("Softmax", "Sigmoid") and len(op.inputs) == 1:
+            forms.append(op.type)
+            logits.append(op.inputs[0])
+        else:
+            forms.append(None)
+            logits.append(output)  # a placeholder: never read
+    return logits, forms
+
+
+def with_logits(y_pred, logits, forms):
+    """The gathered predictions as Keras' losses find them in its own step."""
+    outputs = []
+    for output, logit, form in zip(tf.nest.flatten(y_pred), logits, forms, strict=True):
+        if form == "keras":
+            output = tf.identity(output)
+            output._keras_logits = logit
+        elif form == "Softmax":
+            output = tf.nn.softmax(logit)
+        elif form == "Sigmoid":
+            output = tf.sigmoid(logit)
+        outputs.append(output)
+    return tf.nest.pack_sequence_as(y_pred, outputs)
+
+
 INTERNALS = {
     "keras.Model (compiled)": (
         "_autoconvert_optionals",
@@ -124,6 +163,9 @@ INTERNALS = {
         "_distributed_dataset",
     ),
     "keras.src.losses.loss": ("unscale_loss_for_distribution",),
+    # logits_of / with_logits: the attribute Keras' crossentropies read.
+    "keras.src.backend.tensorflow.nn._get_logits (source)": ("_keras_logits",),
+    "keras.src.activations.activations.softmax (source)": ("_keras_logits",),
     "keras.src.models.functional": ("Functional",),
     # DistributedModel.__init__ does inject_functional_model_class's rewrite
     # on the user's classes only (see _make_functional).

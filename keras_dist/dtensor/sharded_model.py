@@ -9,10 +9,12 @@ that copy, and the loss and metrics are tracked by Keras on the host.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
 import warnings
+from collections.abc import Callable
 
 import keras
 import numpy as np
@@ -132,6 +134,7 @@ class ShardedModel(keras.Model):
         self.compile(**arguments)
         self._compile_arguments = compile_config
         self._kd_steps = None
+        self._kd_host_logs = {}
         self._copy_from(model)
         self.built = True
 
@@ -196,11 +199,13 @@ class ShardedModel(keras.Model):
             # Traced again: what the steps captured (the optimizer's learning
             # rate, which a LearningRateScaler replaces) may have changed.
             self._kd_steps = None
+            self._kd_host_logs = {}  # traced again: compile may have new metrics
             self.train_function = self._per_execution(self._train_batch)
         return self.train_function
 
     def make_test_function(self, force=False):
         if self.test_function is None or force:
+            self._kd_host_logs.pop("test", None)
             self.test_function = self._per_execution(self._test_batch)
         return self.test_function
 
@@ -352,6 +357,11 @@ class ShardedModel(keras.Model):
     def _gather(self, structure):
         return tf.nest.map_structure(lambda v: tf.constant(self._get(v)), structure)
 
+    def _gather_logits(self, logits, forms) -> list:
+        """The logits of the outputs that have them, gathered (else None)."""
+        return [None if form is None else tf.constant(self._get(v))
+                for v, form in zip(logits, forms)]
+
     def _per_execution(self, run_batch):
         """A Keras train/test function: `steps_per_execution` batches per call."""
 
@@ -384,40 +394,62 @@ class ShardedModel(keras.Model):
                 f"axis {BATCH_AXIS!r} of size {split}. Use a batch size divisible "
                 f"by {split} (for a tf.data.Dataset: batch(..., drop_remainder=True))."
             )
-        train, _ = self._steps()
+        steps = self._steps()
         put = lambda s: None if s is None else tf.nest.map_structure(self._put_batch, s)  # noqa: E731
-        loss, y_pred = train(put(x), put(y), put(sample_weight))
-        y_pred = self._gather(y_pred)
-        if len(tf.nest.flatten(y_pred)) > 1:
-            # A multi-output model logs each output's loss: Keras updates
-            # those trackers in compute_loss, here from the gathered
-            # predictions (the step's loss is the sharded one).
-            self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                              training=True)
-        return self._host_logs(x, y, y_pred, sample_weight, tf.constant(self._get(loss)))
+        loss, y_pred, logits = steps.train(put(x), put(y), put(sample_weight))
+        forms = steps.forms["train"]
+        y_pred, logits = self._gather(y_pred), self._gather_logits(logits, forms)
+        return self._host_logs("train", x, y, y_pred, logits, forms,
+                               sample_weight, tf.constant(self._get(loss)))
 
-    def _forward(self, x):
+    def _forward(self, x, with_logits=False):
         """Predictions for one batch, gathered; a short batch is padded to
-        split over "batch" (its last sample repeated) and the padding dropped."""
-        _, predict = self._steps()
+        split over "batch" (its last sample repeated) and the padding dropped.
+        `with_logits`: (predictions, the logits they came from)."""
+        predict = self._steps().predict
         count = int(tf.shape(tf.nest.flatten(x)[0])[0])
         pad = -count % self._batch_split()
         if pad:
             x = tf.nest.map_structure(
                 lambda a: tf.concat([a, tf.repeat(a[-1:], pad, axis=0)], axis=0), x
             )
-        outputs = self._gather(predict(tf.nest.map_structure(self._put_batch, x)))
-        return tf.nest.map_structure(lambda o: o[:count], outputs)
+        outputs, logits = predict(tf.nest.map_structure(self._put_batch, x))
+        outputs = tf.nest.map_structure(lambda o: o[:count], self._gather(outputs))
+        if not with_logits:
+            return outputs
+        logits = self._gather_logits(logits, self._steps().forms["predict"])
+        return outputs, [None if v is None else v[:count] for v in logits]
 
     def _test_batch(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred = self._forward(x)
-        loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                                 training=False)
-        return self._host_logs(x, y, y_pred, sample_weight, loss)
+        y_pred, logits = self._forward(x, with_logits=True)
+        return self._host_logs("test", x, y, y_pred, logits, self._steps().forms["predict"],
+                               sample_weight, None)
 
-    def _host_logs(self, x, y, y_pred, sample_weight, loss):
-        """Keras' loss tracker and compiled metrics, on the host."""
+    def _host_logs(self, mode, x, y, y_pred, logits, forms, sample_weight, loss):
+        """Keras' loss tracker and compiled metrics, on the host, as Keras'
+        own step computes them: each prediction a softmax or sigmoid made
+        carries the logits it came from (Keras' crossentropies read those,
+        not the probabilities: a different number otherwise). `loss`: the
+        step's (training), or None to compute it here (evaluation)."""
+        functions = self._kd_host_logs
+        if mode not in functions:
+            # One function per mode: each may build Keras' loss and metric
+            # state on its first trace.
+            functions[mode] = tf.function(self._logs_in_graph, autograph=False)
+        return functions[mode](x, y, y_pred, logits, tuple(forms), sample_weight, loss)
+
+    def _logs_in_graph(self, x, y, y_pred, logits, forms, sample_weight, loss):
+        y_pred = _keras_compat.with_logits(y_pred, logits, forms)
+        if loss is None:
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                     training=False)
+        elif len(tf.nest.flatten(y_pred)) > 1:
+            # A multi-output model logs each output's loss: Keras updates
+            # those trackers in compute_loss, here from the gathered
+            # predictions (the step's loss is the sharded one).
+            self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                              training=True)
         _keras_compat.loss_tracker(self).update_state(
             loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0]
         )
@@ -540,14 +572,24 @@ def _clone(model: keras.Model) -> keras.Model:
     return keras.models.clone_model(model, clone_function=_keras_compat.clone_layer)
 
 
-def _make_steps(model, layouts):
-    """The sharded copy's train step `(x, y, sample_weight) -> (loss, y_pred)`
-    and forward pass `x -> y_pred`."""
+@dataclasses.dataclass
+class _Steps:
+    """The sharded copy's functions, and what its outputs are (`forms`)."""
+
+    train: Callable  # (x, y, sample_weight) -> (loss, y_pred, logits)
+    predict: Callable  # x -> (y_pred, logits)
+    forms: dict  # "train"/"predict" -> per flat output: see `logits_of`
+
+
+def _make_steps(model, layouts) -> _Steps:
+    """The sharded copy's train step and forward pass."""
+    forms = {}
 
     @tf.function
     def gradients_of(x, y, sample_weight):
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True)
+            logits, forms["train"] = _keras_compat.logits_of(y_pred)
             loss = model.compute_loss(x=x, y=y, y_pred=y_pred,
                                       sample_weight=sample_weight, training=True)
             # As Keras' train step: a LossScaleOptimizer scales the loss (its
@@ -568,7 +610,7 @@ def _make_steps(model, layouts):
             dtensor.relayout(g, layouts[v.path])
             for g, v in zip(gradients, model.trainable_variables)
         ]
-        return loss, y_pred, gradients
+        return loss, y_pred, logits, gradients
 
     # The update runs in its own function: inside the one that computes the
     # gradients, with batch-sharded inputs, Keras' momentum and Adam updates
@@ -579,12 +621,17 @@ def _make_steps(model, layouts):
         model.optimizer.apply(gradients, model.trainable_variables)
 
     def train(x, y, sample_weight):
-        loss, y_pred, gradients = gradients_of(x, y, sample_weight)
+        loss, y_pred, logits, gradients = gradients_of(x, y, sample_weight)
         apply(gradients)
-        return loss, y_pred
+        return loss, y_pred, logits
 
-    predict = tf.function(lambda x: model(x, training=False))
-    return train, predict
+    @tf.function
+    def predict(x):
+        y_pred = model(x, training=False)
+        logits, forms["predict"] = _keras_compat.logits_of(y_pred)
+        return y_pred, logits
+
+    return _Steps(train, predict, forms)
 
 
 def _is_arrays(x) -> bool:

@@ -628,6 +628,69 @@ def errors(mesh, directory):
     print(json.dumps(messages), flush=True)
 
 
+def logged_numbers(mesh):
+    """Every logged number as Keras logs it, where the predictions come from
+    a softmax or sigmoid and the validation set saturates them (confidently
+    wrong): Keras' crossentropies read the logits, not the clipped
+    probabilities. One row per head: history (loss, val_loss, every metric,
+    every epoch) and evaluate against one device from the same weights."""
+    rs = np.random.RandomState(3)
+    x = rs.randn(64, 16).astype("float32")
+    labels = x[:, :4].argmax(1)
+    heads = {
+        # head: (the output layers, loss, labels, extra metrics)
+        "softmax_activation": (
+            [keras.layers.Dense(4, activation="softmax")],
+            "sparse_categorical_crossentropy", labels,
+            ["sparse_categorical_crossentropy"]),
+        "softmax_layer": (
+            [keras.layers.Dense(4), keras.layers.Softmax()],
+            "categorical_crossentropy", np.eye(4, dtype="float32")[labels],
+            ["categorical_crossentropy"]),
+        "sigmoid": (
+            [keras.layers.Dense(4, activation="sigmoid")],
+            "binary_crossentropy", np.eye(4, dtype="float32")[labels],
+            ["binary_crossentropy", "auc"]),
+        "from_logits": (
+            [keras.layers.Dense(4)],
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True), labels,
+            [keras.metrics.SparseCategoricalCrossentropy(from_logits=True)]),
+    }
+    for head, (layers, loss, y, extra) in heads.items():
+        def build(layers=layers, loss=loss, extra=extra):
+            inputs = keras.Input((16,))
+            h = keras.layers.Dense(32, activation="gelu")(inputs)
+            for layer in layers:
+                h = layer.__class__.from_config(layer.get_config())(h)
+            model = keras.Model(inputs, h)
+            metrics = ["accuracy"] + [m if isinstance(m, str) else m.__class__.from_config(
+                m.get_config()) for m in extra]
+            model.compile(keras.optimizers.SGD(0.1, momentum=0.9), loss, metrics=metrics)
+            return model
+
+        reference = build()
+        sharded = kd.shard(build(), mesh, kd.LayoutMapper(mesh, min_elements=0))
+        sharded.set_weights(reference.get_weights())
+        x_val, y_val = x[:16] * 30, y[:16][::-1]  # saturated, mostly wrong
+        arguments = dict(batch_size=8, epochs=3, shuffle=False, verbose=0,
+                         validation_data=(x_val, y_val))
+        expected = reference.fit(x, y, **arguments).history
+        got = sharded.fit(x, y, **arguments).history
+        evaluated = [m.evaluate(x_val, y_val, batch_size=8, verbose=0, return_dict=True)
+                     for m in (reference, sharded)]
+        row = {"head": head, "keys": [sorted(expected), sorted(got)],
+               "val_loss": expected["val_loss"][-1]}
+        # Relative to the number's size (a saturated crossentropy is large).
+        row["history_diff"] = max(
+            float(np.max(np.abs(np.array(got[k]) - np.array(expected[k]))
+                         / np.maximum(1.0, np.abs(np.array(expected[k])))))
+            for k in expected)
+        row["evaluate_diff"] = max(
+            abs(evaluated[1][k] - evaluated[0][k]) / max(1.0, abs(evaluated[0][k]))
+            for k in evaluated[0])
+        print(json.dumps(row), flush=True)
+
+
 def run(mode, mesh, args):
     if mode == "golden":
         golden(mesh, args[0].split(",") if args else KINDS)
@@ -635,6 +698,8 @@ def run(mode, mesh, args):
         keras_layout_map(mesh)
     elif mode == "user_code":
         user_code(mesh)
+    elif mode == "logged_numbers":
+        logged_numbers(mesh)
     elif mode == "multiclient":
         multiclient(mesh, args[0])
     elif mode == "callbacks":
