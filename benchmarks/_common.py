@@ -109,10 +109,20 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def load_digits():
+    """The examples' digits (examples/data/digits.csv.gz; see examples/_digits.py)."""
+    import importlib.util
+
+    path = os.path.join(ROOT, "examples", "_digits.py")
+    spec = importlib.util.spec_from_file_location("_examples_digits", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.load_digits()
+
+
 def digits(repeat_to: int | None = None):
-    """scikit-learn's bundled digits (1,797 8x8 images), shuffled once (seed 0)."""
+    """The bundled handwritten digits (1,797 8x8 images), shuffled once (seed 0)."""
     import numpy as np
-    from sklearn.datasets import load_digits
 
     data = load_digits()
     x = (data.images[..., None] / 16.0).astype("float32")

@@ -1,6 +1,6 @@
 """Does a 4x global batch with LearningRateScaler converge like batch 1x?
 
-Trains the same MLP on scikit-learn's digits (1,437 train / 360 test
+Trains the same MLP on the bundled handwritten digits (1,437 train / 360 test
 images, a fixed split) for the same number of epochs three ways:
 
 1. one device, global batch `--batch`, SGD with momentum at `--lr`;
@@ -25,6 +25,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras_dist  # noqa: E402
+from benchmarks import _common  # noqa: E402
 
 REPLICAS = 4
 
@@ -46,11 +47,10 @@ def main():
     import keras
     import numpy as np
     import tensorflow as tf
-    from sklearn.datasets import load_digits
 
     from keras_dist.callbacks import LearningRateScaler
 
-    digits = load_digits()
+    digits = _common.load_digits()
     x = (digits.data / 16.0).astype("float32")
     y = digits.target.astype("int32")
     order = np.random.RandomState(0).permutation(len(x))

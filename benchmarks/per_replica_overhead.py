@@ -1,6 +1,6 @@
 """Scenario 5: step-time overhead of PerReplicaMetrics against the same fit without it.
 
-Two identical `DistributedModel`s (MLP on scikit-learn's digits, 2 simulated
+Two identical `DistributedModel`s (MLP on the bundled handwritten digits, 2 simulated
 replicas of MirroredStrategy on the CPU) train side by side in one process,
 interleaved A B A B ..., one with `PerReplicaMetrics` at its default logging
 frequency (once per epoch) and one without. Each timed run is one epoch of
@@ -26,11 +26,10 @@ def run(args) -> dict:
 
     import keras
     import numpy as np
-    from sklearn.datasets import load_digits
 
     from keras_dist.callbacks import PerReplicaMetrics
 
-    digits = load_digits()
+    digits = _common.load_digits()
     x = (digits.data / 16.0).astype("float32")
     y = digits.target.astype("int32")
     # Enough rows for one epoch of `steps` global batches.

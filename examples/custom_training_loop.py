@@ -1,8 +1,8 @@
 """
 Title: A custom training loop with strategy.run and strategy.reduce
 Description: Trains a DistributedModel's variables with a hand-written loop
-(`strategy.run` per step, `strategy.reduce` for the loss) on scikit-learn's
-bundled digits, then checks it against `DistributedModel.fit`: same weights.
+(`strategy.run` per step, `strategy.reduce` for the loss) on the handwritten
+digits shipped in examples/data, then checks it against `DistributedModel.fit`: same weights.
 
 Run: `python examples/custom_training_loop.py` (add `--smoke` for 1 epoch).
 On a CPU it simulates 2 replicas; with 2+ GPUs it uses them.
@@ -23,7 +23,7 @@ if not tf.config.list_physical_devices("GPU"):
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+from _digits import load_digits  # noqa: E402 (examples/data, no download)
 
 GLOBAL_BATCH = 64
 

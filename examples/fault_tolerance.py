@@ -1,6 +1,6 @@
 """
 Title: Fault tolerance: a training run killed mid-epoch resumes exactly
-Description: Trains on scikit-learn's bundled digits with keras_dist's
+Description: Trains on the bundled handwritten digits with keras_dist's
 BackupAndRestore, kills the training process with SIGKILL in the middle of
 an epoch, restarts it, and checks that the resumed run ends with exactly the
 weights of a run that was never interrupted.

@@ -1,6 +1,6 @@
 """
 Title: Synchronous data parallelism on one machine with MirroredStrategy
-Description: Trains a small CNN on scikit-learn's bundled digits on every
+Description: Trains a small CNN on the bundled handwritten digits on every
 device of one machine (2 simulated CPU replicas here, all GPUs elsewhere),
 with synchronized BatchNormalization, then saves it and reloads it on a
 different strategy.

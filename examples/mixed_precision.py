@@ -1,6 +1,6 @@
 """
 Title: Mixed precision on several replicas
-Description: Trains a small CNN on scikit-learn's bundled digits with the
+Description: Trains a small CNN on the bundled handwritten digits with the
 `mixed_bfloat16` policy on CPUs and TPUs, or `mixed_float16` (with dynamic
 loss scaling) on GPUs: float32 variables, 16-bit computation, and
 keras_dist keeping every replica's loss-scale decision in agreement.

@@ -1,8 +1,8 @@
 """
 Title: Tensor model parallelism on TensorFlow with keras_dist.dtensor
 Description: Shards a small attention classifier's layers over a 2 x 2 device
-mesh (2-way data parallel x 2-way model parallel), trains it on scikit-learn's
-bundled digits, saves it, and loads it back re-sharded.
+mesh (2-way data parallel x 2-way model parallel), trains it on the handwritten
+digits shipped in examples/data, saves it, and loads it back re-sharded.
 
 Run: `python examples/model_parallel.py` (add `--smoke` for a 2-epoch run).
 On a CPU it splits the processor into 4 logical devices; on a machine with 4+
@@ -32,7 +32,7 @@ else:
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+from _digits import load_digits  # noqa: E402 (examples/data, no download)
 
 
 def build_model() -> keras.Model:
@@ -55,7 +55,7 @@ def build_model() -> keras.Model:
 
 
 def main(smoke: bool) -> dict:
-    # 1797 8x8 images of handwritten digits, shipped inside scikit-learn.
+    # 1797 8x8 images of handwritten digits, shipped in examples/data.
     digits = load_digits()
     x = (digits.images / 16.0).astype("float32")
     y = digits.target.astype("int32")

@@ -2,7 +2,7 @@
 Title: Multi-worker training with MultiWorkerMirroredStrategy
 Description: One script, started once per worker by `keras-dist launch`
 (which gives each worker its TF_CONFIG): every worker trains its share of
-each global batch of scikit-learn's bundled digits, gradients are
+each global batch of the bundled handwritten digits, gradients are
 all-reduced across workers, only the chief writes the model and backups.
 
 Run: `keras-dist launch --num-workers 2 --max-restarts 1 examples/multi_worker.py`

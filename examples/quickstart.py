@@ -1,6 +1,6 @@
 """
 Title: Quickstart: a Keras model on 2 replicas with keras_dist
-Description: Trains a small classifier on scikit-learn's bundled digits data
+Description: Trains a small classifier on the handwritten digits shipped in examples/data
 set with `DistributedModel` on 2 simulated replicas, then evaluates it.
 
 Run: `python examples/quickstart.py` (add `--smoke` for a 1-epoch run), or
@@ -27,11 +27,11 @@ if not tf.config.list_physical_devices("GPU") and not os.environ.get("TF_CONFIG"
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+from _digits import load_digits  # noqa: E402 (examples/data, no download)
 
 
 def main(smoke: bool) -> dict:
-    # 1797 8x8 images of handwritten digits, shipped inside scikit-learn.
+    # 1797 8x8 images of handwritten digits, shipped in examples/data.
     digits = load_digits()
     x = (digits.images[..., None] / 16.0).astype("float32")
     y = digits.target.astype("int32")

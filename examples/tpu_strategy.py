@@ -1,7 +1,7 @@
 """
 Title: Training on a TPU with TPUStrategy (or the best strategy available)
 Description: Connects to a TPU when one is reachable (a Cloud TPU VM, or
-TPU_NAME set) and trains a small CNN on scikit-learn's bundled digits with
+TPU_NAME set) and trains a small CNN on the bundled handwritten digits with
 TPU-friendly settings (fixed batch shapes, several steps per execution);
 without a TPU it says so and runs the same code on the best strategy here.
 

@@ -40,7 +40,7 @@ if (
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+from _digits import load_digits  # noqa: E402 (examples/data, no download)
 
 from keras_dist.callbacks import LearningRateScaler  # noqa: E402
 from keras_dist.tuner import RandomSearch  # noqa: E402
@@ -74,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     trials, epochs = (2, 1) if args.smoke else (args.trials, args.epochs)
 
-    # 1797 8x8 digit images, shipped inside scikit-learn; a fixed split.
+    # 1797 8x8 digit images, shipped in examples/data; a fixed split.
     digits = load_digits()
     x = (digits.data / 16.0).astype("float32")
     y = digits.target.astype("int32")
