@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
-from keras_dist import _checks
+from keras_dist import _checks, _collectives
 from keras_dist._checks import check_log_dir
 from keras_dist.strategy import worker_info
 
@@ -111,6 +111,18 @@ class _ReplicaMonitor:
         """Marks the epoch's start: its first step's elapsed time counts from now."""
         if self.multi_worker:
             self.step_end.assign(time.time())
+
+    def tails(self, workers: int, rank: int):
+        """Each worker's host seconds since its last step ended, or None
+        (one worker). What runs after an epoch's last step (its callbacks)
+        is that step's time, as the time between two steps is the next
+        one's. One collective: every worker calls it at the same point."""
+        if not self.multi_worker:
+            return None
+        last = float(self.strategy.experimental_local_results(self.step_end)[0].numpy())
+        mine = [0] * workers
+        mine[rank] = max(0, int((time.time() - last) * 1e6))
+        return np.array(_collectives.agree_sum(self.strategy, mine), np.float64) / 1e6
 
     def before_input(self) -> list:
         """The barrier before a step reads its input (cross-replica context)."""
@@ -422,6 +434,7 @@ class PerReplicaMetrics(keras.callbacks.Callback):
         self._run = _Run(
             monitor=monitor,
             chief=info.is_chief,
+            rank=info.rank,
             workers=max(1, replicas // per_worker),
             per_worker=per_worker,
             window=_Window(time.perf_counter(), monitor.read()[1]),
@@ -501,7 +514,8 @@ class PerReplicaMetrics(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         run = self._run
         latest, totals = run.monitor.read()
-        values = self._values(latest, totals, run.epoch_window, run)
+        tails = run.monitor.tails(run.workers, run.rank)
+        values = self._values(latest, totals, run.epoch_window, run, tails)
         if logs is not None:
             logs.update(values)
         if run.written != run.steps:
@@ -514,7 +528,7 @@ class PerReplicaMetrics(keras.callbacks.Callback):
 
     # -- values ------------------------------------------------------------
 
-    def _values(self, latest, totals, window, run) -> dict:
+    def _values(self, latest, totals, window, run, tails=None) -> dict:
         monitor = run.monitor
         names = list(monitor.keys) + (["grad_norm"] if self.gradient_norm else [])
         values = {}
@@ -525,7 +539,7 @@ class PerReplicaMetrics(keras.callbacks.Callback):
         samples = totals[:, _SAMPLES] - window.totals[:, _SAMPLES]
         for replica, value in enumerate(samples):
             values[f"samples/replica_{replica}"] = float(value)
-        times = window.worker_times(time.perf_counter(), totals, run)
+        times = window.worker_times(time.perf_counter(), totals, run, tails)
         if times is not None:
             step_times, wall = times
             for worker, value in enumerate(step_times):
@@ -596,6 +610,7 @@ class _Run:
 
     monitor: object = None  # the replicas' counters (`_ReplicaMonitor`)
     chief: bool = True
+    rank: int = 0  # this worker's index among `workers`
     workers: int = 1
     per_worker: int = 1  # replicas per worker
     steps: int = 0  # steps counted (the CSV's and TensorBoard's step axis)
@@ -617,18 +632,21 @@ class _Window:
         self.start = start
         self.totals = np.array(totals, copy=True)
 
-    def worker_times(self, now: float, totals, run):
+    def worker_times(self, now: float, totals, run, tails=None):
         """(busy seconds per step per worker, wall seconds per worker) or None.
 
         With several workers each one's time comes from its own clock,
-        summed in the graph step by step (`_ELAPSED`): the window of the
-        worker that reads would not do, its epoch may begin while a peer's
-        wait for it already runs. One worker: this host's wall time.
+        summed in the graph step by step (`_ELAPSED`), plus `tails` (each
+        worker's time after its last step, at an epoch's end): the window of
+        the worker that reads would not do, its epoch may begin while a
+        peer's wait for it already runs. One worker: this host's wall time.
         """
         delta = totals - self.totals
         steps = float(delta[0, _STEPS]) if delta.size else 0.0
         if run.workers > 1:
             elapsed = delta[:, _ELAPSED].reshape(run.workers, run.per_worker)
+            if tails is not None:  # each worker's time after its last step
+                elapsed = elapsed + np.asarray(tails, np.float64)[:, None]
         else:
             elapsed = np.full([1, run.per_worker], now - self.start)
         if steps <= 0 or np.any(elapsed <= 0):

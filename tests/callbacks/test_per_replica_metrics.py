@@ -180,3 +180,8 @@ def test_each_worker_step_time_comes_from_its_own_clock():
     step_times, wall = window.worker_times(102.5, totals, run)
     np.testing.assert_allclose(step_times, [0.1, 0.7], rtol=1e-6)
     np.testing.assert_allclose(wall, [3.4, 2.8], rtol=1e-6)
+    # At an epoch's end each worker's time after its last step (its last
+    # batch's callbacks) counts too.
+    step_times, wall = window.worker_times(102.5, totals, run, tails=[0.0, 0.4])
+    np.testing.assert_allclose(step_times, [0.1, 0.8], rtol=1e-6)
+    np.testing.assert_allclose(wall, [3.4, 3.2], rtol=1e-6)
