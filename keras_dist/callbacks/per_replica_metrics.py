@@ -256,8 +256,11 @@ class PerReplicaMetrics(keras.callbacks.Callback):
     built-in `train_step` the gradient computation is timed as well, so a
     slower device counts against its own worker. Values stay in the graph
     until they are logged: the host reads them every `update_freq` steps,
-    every `straggler_steps` steps and at the end of each epoch. Every worker
-    runs the same collectives; only the chief writes files.
+    every `straggler_steps` steps and at the end of each epoch. Each
+    worker's time is taken on its own clock, step by step in the graph (from
+    the end of its previous step); at each epoch's end one more collective
+    adds each worker's time after its last step (that batch's callbacks).
+    Every worker runs the same collectives; only the chief writes files.
 
     Requires a `DistributedModel` (see `keras_dist.distribute`).
 
