@@ -102,10 +102,15 @@ class ElasticJob:
     def finish(self, timeout=300) -> int:
         try:
             code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
         self.reader.join(timeout=10)
+        # The launcher's last lines tell a slow job from a stuck one.
+        assert code is not None, (
+            f"the job did not end within {timeout} s:\n" + self.output()[-5000:])
         return code
 
 
