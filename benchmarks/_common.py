@@ -109,26 +109,27 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def load_digits():
-    """The examples' digits (examples/data/digits.csv.gz; see examples/_digits.py)."""
+def _examples_digits():
+    """examples/_digits.py (the digits of examples/data/digits.csv.gz)."""
     import importlib.util
 
     path = os.path.join(ROOT, "examples", "_digits.py")
     spec = importlib.util.spec_from_file_location("_examples_digits", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.load_digits()
+    return module
+
+
+def load_digits():
+    """The examples' digits: `.data`, `.images`, `.target` (see examples/_digits.py)."""
+    return _examples_digits().load_digits()
 
 
 def digits(repeat_to: int | None = None):
     """The bundled handwritten digits (1,797 8x8 images), shuffled once (seed 0)."""
     import numpy as np
 
-    data = load_digits()
-    x = (data.images[..., None] / 16.0).astype("float32")
-    y = data.target.astype("int32")
-    order = np.random.default_rng(0).permutation(len(x))
-    x, y = x[order], y[order]
+    (x, y), _ = _examples_digits().load(images=True, test_fraction=0.0)
     if repeat_to:
         reps = -(-repeat_to // len(x))
         x, y = np.concatenate([x] * reps)[:repeat_to], np.concatenate([y] * reps)[:repeat_to]
