@@ -43,9 +43,33 @@ def pytest_addoption(parser):
     )
 
 
+# The longest modules first (their wall time in a full run, longest first),
+# the rest in collection order after them: `--dist loadfile` hands modules
+# out in this order, so both workers end close together instead of one
+# starting a long module while the other has nothing left.
+LONGEST_FIRST = [
+    "multi_worker/test_elastic_jobs.py", "dtensor/test_sharded_model.py",
+    "multi_worker/test_backup_jobs.py", "multi_worker/test_search_jobs.py",
+    "test_benchmarks.py", "callbacks/test_backup_and_restore.py",
+    "reliability/test_liveness.py", "multi_worker/test_parity_jobs.py", "test_examples.py",
+    "test_distributed_model.py", "callbacks/test_callback_matrix.py", "test_doc_snippets.py",
+    "tuner/test_tuner_models.py", "multi_worker/test_multi_worker.py", "test_parity.py",
+    "reliability/test_interruptions.py",
+]
+
+
+def _rank(item) -> int:
+    path = item.path.as_posix()
+    for rank, name in enumerate(LONGEST_FIRST):
+        if path.endswith("/tests/" + name):
+            return rank
+    return len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
     import pytest
 
+    items.sort(key=_rank)  # stable: each module's own order kept
     for item in items:
         if item.path.name in FAST_MODULES and item.get_closest_marker("multi_worker") is None:
             item.add_marker(pytest.mark.fast)

@@ -26,6 +26,16 @@ import keras_dist
 
 N, BATCH, D = 64, 16, 4
 TOL = 1e-5
+# The weights of a model trained by float32 Adam: Adam divides each gradient
+# entry by its own running magnitude, so an entry whose batch terms nearly
+# cancel carries its summation-order rounding (2 replicas add in another
+# order than one device) into its update at the scale of the learning rate.
+# Measured: 4e-7 in 15 runs of 15, 1.16e-5 once (6 updates at 0.01). Wrong
+# training (a step skipped or repeated, a replica's gradient lost, another
+# batch) moves them by orders of magnitude more; every logged number and
+# prediction, and every other optimizer's weights, keep TOL.
+TOL_ADAM_WEIGHTS = 1e-4
+ADAM_FAMILY = ("Adam", "AdamW", "Adamax", "Nadam", "Lamb")
 # Cases whose logged loss is Keras' distribution-scaled loss (see
 # tests/test_parity.py); their weights are compared exactly all the same.
 LOSS_SCALED_IN_LOGS = ("custom_train_step",)
@@ -718,12 +728,13 @@ def own_dir(case_name: str) -> str:
 
 
 
-def run_case(name: str, strategy) -> tuple[dict, dict]:
+def run_case(name: str, strategy, plain: bool = True) -> tuple[dict, dict | None]:
     """Runs case `name` through keras_dist on `strategy`, then as plain Keras.
 
     Both start from the keras_dist model's initial weights (under
     multi-worker training: the chief's, broadcast to every worker).
-    Returns (keras_dist results, plain Keras results), weights included.
+    Returns (keras_dist results, plain Keras results), weights included;
+    None for the plain results with `plain=False`.
     """
     make, _ = CASES[name]
     build, train = make()
@@ -735,6 +746,9 @@ def run_case(name: str, strategy) -> tuple[dict, dict]:
     distributed = train(model)
     distributed["weights"] = model.get_weights()
     distributed["initial"] = initial
+    distributed["optimizer"] = type(getattr(model, "optimizer", None)).__name__
+    if not plain:
+        return distributed, None
 
     _mode["name"] = "plain"
     reference = build(None)
@@ -742,6 +756,7 @@ def run_case(name: str, strategy) -> tuple[dict, dict]:
     plain = train(reference)
     plain["weights"] = reference.get_weights()
     plain["initial"] = initial
+    plain["optimizer"] = type(getattr(reference, "optimizer", None)).__name__
     return distributed, plain
 
 
@@ -760,6 +775,7 @@ def flat(results: dict) -> dict:
 def compare(distributed: dict, plain: dict) -> list[str]:
     """Differences beyond TOL, as readable lines (empty when equal)."""
     a, b = flat(distributed), flat(plain)
+    adam = str(b.get("optimizer", "")) in ADAM_FAMILY
     problems = []
     if a.keys() != b.keys():
         problems.append(f"different results: {sorted(a.keys() ^ b.keys())}")
@@ -773,7 +789,8 @@ def compare(distributed: dict, plain: dict) -> list[str]:
             problems.append(f"{key}: shape {x.shape} != {y.shape}")
             continue
         diff = float(np.max(np.abs(x.astype("float64") - y.astype("float64")))) if x.size else 0.0
-        if not diff <= TOL * max(1.0, float(np.max(np.abs(y))) if y.size else 1.0):
+        tolerance = TOL_ADAM_WEIGHTS if adam and key.startswith("weights/") else TOL
+        if not diff <= tolerance * max(1.0, float(np.max(np.abs(y))) if y.size else 1.0):
             problems.append(f"{key}: max |difference| {diff:.3g}")
     return problems
 

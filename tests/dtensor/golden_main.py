@@ -11,6 +11,7 @@ MESH is model2, model4 or batch2_model2.
 
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -325,40 +326,42 @@ def callbacks(mesh, directory):
     }
 
     # Keras' BackupAndRestore: killed (SIGKILL) after epoch 2 of 4 in another
-    # process, resumed here; equals 4 uninterrupted epochs on one device.
+    # process, resumed here; equals 4 uninterrupted epochs on one device. A
+    # copy of the killed run's backup is resumed onto another mesh (model=4)
+    # in a third process.
     backup = os.path.join(directory, "backup")
     killed = subprocess.run([sys.executable, __file__, "backup_killed", sys.argv[2], backup],
                             capture_output=True, text=True, timeout=600)
     row["killed_returncode"] = killed.returncode
+    shutil.copytree(backup, backup + "_other_mesh")
     resumed = resume_from(mesh, backup)
     row["resumed_epochs"], row["resumed_diff"] = resumed["epochs"], resumed["diff"]
-
-    # The same, resumed onto another mesh (model=4) in a third process.
-    backup = os.path.join(directory, "backup_other_mesh")
-    subprocess.run([sys.executable, __file__, "backup_killed", sys.argv[2], backup],
-                   capture_output=True, text=True, timeout=600)
-    other = subprocess.run([sys.executable, __file__, "backup_resumed", "model4", backup],
-                           capture_output=True, text=True, timeout=600)
-    lines = [line for line in other.stdout.splitlines() if line.startswith("{")]
-    row["other_mesh"] = json.loads(lines[-1]) if lines else other.stderr[-2000:]
+    row["other_mesh"] = resumed_elsewhere("backup_resumed", "model4", backup + "_other_mesh")
 
     # keras_dist's BackupAndRestore (a backup after every batch): killed in
-    # the middle of epoch 2, resumed here and onto model=4.
-    for key, resume_mesh in (("ours", None), ("ours_other_mesh", "model4")):
-        backup = os.path.join(directory, key)
-        killed = subprocess.run([sys.executable, __file__, "kd_backup_killed", sys.argv[2],
-                                 backup], capture_output=True, text=True, timeout=600)
-        if resume_mesh is None:
-            row[key] = resume_from(mesh, backup, ours=True)
-        else:
-            other = subprocess.run([sys.executable, __file__, "kd_backup_resumed",
-                                    resume_mesh, backup],
-                                   capture_output=True, text=True, timeout=600)
-            lines = [line for line in other.stdout.splitlines() if line.startswith("{")]
-            row[key] = json.loads(lines[-1]) if lines else other.stderr[-2000:]
+    # the middle of epoch 2, resumed here and (a copy) onto model=4.
+    backup = os.path.join(directory, "ours")
+    killed = subprocess.run([sys.executable, __file__, "kd_backup_killed", sys.argv[2],
+                             backup], capture_output=True, text=True, timeout=600)
+    shutil.copytree(backup, backup + "_other_mesh")
+    row["ours"] = resume_from(mesh, backup, ours=True)
+    row["ours_other_mesh"] = resumed_elsewhere("kd_backup_resumed", "model4",
+                                               backup + "_other_mesh")
+    for key in ("ours", "ours_other_mesh"):
         if isinstance(row[key], dict):
             row[key]["killed_returncode"] = killed.returncode
     print(json.dumps(row), flush=True)
+
+
+def resumed_elsewhere(mode, mesh_name, backup):
+    """`resume_from` on another mesh, in its own process: its JSON row (or
+    the end of its error output)."""
+    import subprocess
+
+    other = subprocess.run([sys.executable, __file__, mode, mesh_name, backup],
+                           capture_output=True, text=True, timeout=600)
+    lines = [line for line in other.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else other.stderr[-2000:]
 
 
 def backup_killed(mesh, backup, ours=False):

@@ -3,10 +3,13 @@
 Usage: parity_main.py OUT_DIR CASE [CASE ...]
 Nothing is seeded. For each case the worker trains through keras_dist on
 MultiWorkerMirroredStrategy (the model built with plain Keras first, as
-users do), then plain Keras on one device from the same initial weights,
-and writes both to OUT_DIR/rank{R}.npz.
+users do) and writes its results to OUT_DIR/rank{R}.npz; worker 0 then
+trains plain Keras on one device from the same initial weights (the
+chief's, which every worker starts from) and writes those too: each
+worker's results are compared with them.
 """
 
+import json
 import os
 import sys
 
@@ -18,6 +21,9 @@ import numpy as np  # noqa: E402
 import parity_cases  # noqa: E402
 
 out_dir, names = sys.argv[1], sys.argv[2:]
+# Read from the launcher's TF_CONFIG: the first case runs before any
+# keras_dist call creates the strategy.
+chief = json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0
 results = {}
 strategy = None
 if names[0] == "--strategy-first":  # the strategy exists before any model
@@ -36,7 +42,7 @@ for name in names:
             results[f"{name}/refused"] = str(error)
         print(f"case {name} done", flush=True)
         continue
-    distributed, plain = parity_cases.run_case(name, strategy or "auto")
+    distributed, plain = parity_cases.run_case(name, strategy or "auto", plain=chief)
     if strategy is None:
         from keras_dist.strategy import resolve_strategy, worker_info
 
@@ -44,7 +50,7 @@ for name in names:
         rank = worker_info(strategy).rank
     for key, value in parity_cases.flat(distributed).items():
         results[f"{name}/keras_dist/{key}"] = value
-    for key, value in parity_cases.flat(plain).items():
+    for key, value in parity_cases.flat(plain or {}).items():
         results[f"{name}/plain/{key}"] = value
     print(f"case {name} done", flush=True)
 print(keras_dist.describe(strategy), flush=True)
