@@ -35,6 +35,11 @@ FAST_MODULES = {
 }
 
 
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist
+        config.option.loadscopereorder = False
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--soak", action="store_true",
@@ -45,8 +50,10 @@ def pytest_addoption(parser):
 
 # The longest modules first (their wall time in a full run, longest first),
 # the rest in collection order after them: `--dist loadfile` hands modules
-# out in this order, so both workers end close together instead of one
-# starting a long module while the other has nothing left.
+# out in this order (pytest_configure turns off xdist's own reordering, by
+# number of tests, which put the few-test multi-process modules last), so
+# both workers end close together instead of one starting a long module
+# while the other has nothing left.
 LONGEST_FIRST = [
     "multi_worker/test_elastic_jobs.py", "dtensor/test_sharded_model.py",
     "multi_worker/test_backup_jobs.py", "multi_worker/test_search_jobs.py",
