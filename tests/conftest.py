@@ -21,6 +21,7 @@ collect_ignore = [
     "multi_worker/stress_main.py",
     "dtensor/golden_main.py",
     "reliability/jobs.py",
+    "_hidden",
 ]
 
 # The edit loop (`python -m pytest -m fast`, under 2 minutes on 2 cores):
@@ -35,9 +36,24 @@ FAST_MODULES = {
 }
 
 
+# Keras imports scikit-learn at start when it is installed (for
+# `keras.wrappers`): 0.6-0.8 s of CPU in each of the ~200 TensorFlow
+# processes the tests start, none of which uses it (only keras-tuner's
+# BayesianOptimization does, in tests/tuner, inside pytest's own processes).
+# The processes the tests start find it hidden: tests/_hidden/sklearn raises
+# ImportError, as where it is not installed.
+HIDDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_hidden")
+
+
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist
         config.option.loadscopereorder = False
+    # Not in pytest-xdist's controlling process: its workers run the tuner
+    # tests that need scikit-learn.
+    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses",
+                                                            None):
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [HIDDEN, os.environ.get("PYTHONPATH")]))
 
 
 def pytest_addoption(parser):

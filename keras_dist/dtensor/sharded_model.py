@@ -347,20 +347,23 @@ class ShardedModel(keras.Model):
     def _batch_split(self) -> int:
         return dict(zip(self._kd.mesh.axis_names, self._kd.mesh.shape)).get(BATCH_AXIS, 1)
 
-    def _put_batch(self, value):
-        value = tf.convert_to_tensor(value)
-        axes = [dtensor.UNSHARDED] * value.shape.rank
-        if BATCH_AXIS in self._kd.mesh.axis_names and axes:
-            axes[0] = BATCH_AXIS
-        return self._put(value, dtensor.Layout(axes, self._kd.dmesh))
+    def _to_mesh(self, structure):
+        """A batch's tensors copied onto the mesh, replicated (the steps
+        split them over "batch" inside their functions)."""
+        if structure is None:
+            return None
 
-    def _gather(self, structure):
-        return tf.nest.map_structure(lambda v: tf.constant(self._get(v)), structure)
+        def copy(value):
+            value = tf.convert_to_tensor(value)
+            return dtensor.copy_to_mesh(
+                value, dtensor.Layout.replicated(self._kd.dmesh, value.shape.rank))
 
-    def _gather_logits(self, logits, forms) -> list:
-        """The logits of the outputs that have them, gathered (else None)."""
-        return [None if form is None else tf.constant(self._get(v))
-                for v, form in zip(logits, forms)]
+        return tf.nest.map_structure(copy, structure)
+
+    @staticmethod
+    def _local(structure):
+        """This process's copy of replicated step outputs (no host copy)."""
+        return tf.nest.map_structure(lambda v: dtensor.unpack(v)[0], structure)
 
     def _per_execution(self, run_batch):
         """A Keras train/test function: `steps_per_execution` batches per call."""
@@ -381,12 +384,13 @@ class ShardedModel(keras.Model):
 
     def _steps(self):
         if self._kd_steps is None:
-            self._kd_steps = _make_steps(self._kd.model, self._kd.layouts)
+            self._kd_steps = _make_steps(self._kd.model, self._kd.layouts, self._kd.dmesh,
+                                         BATCH_AXIS in self._kd.mesh.axis_names)
         return self._kd_steps
 
     def _train_batch(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        count = int(tf.shape(tf.nest.flatten(x)[0])[0])
+        count = _batch_size(x)
         split = self._batch_split()
         if count % split:
             raise ValueError(
@@ -395,30 +399,26 @@ class ShardedModel(keras.Model):
                 f"by {split} (for a tf.data.Dataset: batch(..., drop_remainder=True))."
             )
         steps = self._steps()
-        put = lambda s: None if s is None else tf.nest.map_structure(self._put_batch, s)  # noqa: E731
-        loss, y_pred, logits = steps.train(put(x), put(y), put(sample_weight))
-        forms = steps.forms["train"]
-        y_pred, logits = self._gather(y_pred), self._gather_logits(logits, forms)
-        return self._host_logs("train", x, y, y_pred, logits, forms,
-                               sample_weight, tf.constant(self._get(loss)))
+        loss, y_pred, logits = self._local(steps.train(
+            self._to_mesh(x), self._to_mesh(y), self._to_mesh(sample_weight)))
+        return self._host_logs("train", x, y, y_pred, logits, steps.forms["train"],
+                               sample_weight, loss)
 
     def _forward(self, x, with_logits=False):
         """Predictions for one batch, gathered; a short batch is padded to
         split over "batch" (its last sample repeated) and the padding dropped.
         `with_logits`: (predictions, the logits they came from)."""
-        predict = self._steps().predict
-        count = int(tf.shape(tf.nest.flatten(x)[0])[0])
+        steps = self._steps()
+        count = _batch_size(x)
         pad = -count % self._batch_split()
         if pad:
             x = tf.nest.map_structure(
                 lambda a: tf.concat([a, tf.repeat(a[-1:], pad, axis=0)], axis=0), x
             )
-        outputs, logits = predict(tf.nest.map_structure(self._put_batch, x))
-        outputs = tf.nest.map_structure(lambda o: o[:count], self._gather(outputs))
-        if not with_logits:
-            return outputs
-        logits = self._gather_logits(logits, self._steps().forms["predict"])
-        return outputs, [None if v is None else v[:count] for v in logits]
+        outputs, logits = self._local(steps.predict(self._to_mesh(x)))
+        if pad:
+            outputs, logits = tf.nest.map_structure(lambda o: o[:count], (outputs, logits))
+        return (outputs, logits) if with_logits else outputs
 
     def _test_batch(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -581,12 +581,36 @@ class _Steps:
     forms: dict  # "train"/"predict" -> per flat output: see `logits_of`
 
 
-def _make_steps(model, layouts) -> _Steps:
-    """The sharded copy's train step and forward pass."""
+def _batch_size(x) -> int:
+    first = tf.nest.flatten(x)[0]
+    size = first.shape[0]
+    return int(size) if size is not None else int(tf.shape(first)[0])
+
+
+def _make_steps(model, layouts, dmesh, split_batch: bool) -> _Steps:
+    """The sharded copy's train step and forward pass. They take the batch
+    replicated on the mesh and split it over "batch" themselves; what they
+    return is replicated (every device holds all of it), so the host reads
+    one device's copy: no eager relayout per step."""
     forms = {}
+
+    def split(structure):
+        def one(value):
+            if not split_batch or value.shape.rank == 0:
+                return value
+            axes = [BATCH_AXIS] + [dtensor.UNSHARDED] * (value.shape.rank - 1)
+            return dtensor.relayout(value, dtensor.Layout(axes, dmesh))
+
+        return None if structure is None else tf.nest.map_structure(one, structure)
+
+    def whole(structure):
+        return tf.nest.map_structure(
+            lambda v: dtensor.relayout(v, dtensor.Layout.replicated(dmesh, v.shape.rank)),
+            structure)
 
     @tf.function
     def gradients_of(x, y, sample_weight):
+        x, y, sample_weight = split(x), split(y), split(sample_weight)
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True)
             logits, forms["train"] = _keras_compat.logits_of(y_pred)
@@ -610,7 +634,7 @@ def _make_steps(model, layouts) -> _Steps:
             dtensor.relayout(g, layouts[v.path])
             for g, v in zip(gradients, model.trainable_variables)
         ]
-        return loss, y_pred, logits, gradients
+        return whole(loss), whole(y_pred), whole(logits), gradients
 
     # The update runs in its own function: inside the one that computes the
     # gradients, with batch-sharded inputs, Keras' momentum and Adam updates
@@ -627,9 +651,9 @@ def _make_steps(model, layouts) -> _Steps:
 
     @tf.function
     def predict(x):
-        y_pred = model(x, training=False)
+        y_pred = model(split(x), training=False)
         logits, forms["predict"] = _keras_compat.logits_of(y_pred)
-        return y_pred, logits
+        return whole(y_pred), whole(logits)
 
     return _Steps(train, predict, forms)
 
