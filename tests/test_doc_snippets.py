@@ -3,13 +3,16 @@
 A snippet is a script of its own (small data defined in it), run in a fresh
 process in an empty directory; one whose first line is a "# continues the
 example above" comment runs after the snippets before it on its page, as a
-reader who copied them in order would. The examples' guides include the
+reader who copied them in order would; one whose first line is "# run with:
+keras-dist launch ... FILE.py" is saved as FILE.py and run with that
+command, as the page tells the reader. The examples' guides include the
 example files themselves, tested by test_examples.py.
 """
 
 import glob
 import os
 import re
+import shlex
 import sys
 
 import pytest
@@ -20,6 +23,7 @@ PAGES = ["README.md"] + sorted(
     os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))
 )
 CONTINUES = "# continues the example above"
+LAUNCHED = re.compile(r"# run with: keras-dist (launch .*?(\S+\.py))\n")
 
 
 def scripts():
@@ -53,9 +57,12 @@ def runs(tmp_path_factory):
     commands, cwd = {}, {}
     for name, source in SCRIPTS.items():
         directory = tmp_path_factory.mktemp(re.sub(r"\W", "_", name))
-        path = directory / "snippet.py"
+        launched = LAUNCHED.match(source)
+        path = directory / (launched.group(2) if launched else "snippet.py")
         path.write_text(source)
-        commands[name] = [sys.executable, str(path)]
+        commands[name] = ([sys.executable, "-m", "keras_dist.cli",
+                           *shlex.split(launched.group(1))] if launched
+                          else [sys.executable, str(path)])
         cwd[name] = str(directory)
     return run_concurrently(commands, timeout=420, cwd=cwd)
 
@@ -66,3 +73,19 @@ def test_snippet_runs_as_copied(runs, name):
     assert done.returncode == 0, (
         f"{name}:\n{SCRIPTS[name]}\n--- output\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
     )
+
+
+def test_the_documented_multi_process_mesh_runs_on_both_workers(runs):
+    # docs/model_parallel.md, "One mesh across processes": launched as the
+    # page says, each worker prints the bytes its devices hold, the same.
+    [name] = [n for n, source in SCRIPTS.items()
+              if n.startswith("docs/model_parallel.md") and LAUNCHED.match(source)]
+    done = runs[name]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    printed = {}
+    for line in done.stdout.splitlines():
+        match = re.match(r"\[worker (\d)\] (\{'variables'.*\})$", line)
+        if match:
+            printed[match.group(1)] = match.group(2)
+    assert sorted(printed) == ["0", "1"], done.stdout[-3000:]
+    assert printed["0"] == printed["1"], printed

@@ -2,8 +2,11 @@
 
 Usage:
     golden_main.py steps MESH MODE[=ARG] ...  the modes below in one process
-    golden_main.py golden MESH   one JSON line per (model, optimizer): the max
-                                 |weight difference| to one device, bytes
+    golden_main.py golden MESH [write:DIR|read:DIR]
+                                 one JSON line per (model, optimizer): the max
+                                 |weight difference| to one device, bytes;
+                                 the one-device references written to / read
+                                 from DIR
     golden_main.py save MESH DIR trains 1 epoch (tf.data input), saves
     golden_main.py load MESH DIR loads onto MESH, trains 1 more epoch, compares
 MESH is model2, model4 or batch2_model2.
@@ -107,7 +110,13 @@ def max_diff(a_weights, b_weights):
 KINDS = ("mlp", "mlp_mixed", "transformer", "embedding", "conv", "einsum")
 
 
-def golden(mesh, kinds=KINDS):
+def golden(mesh, kinds=KINDS, references=None):
+    """One JSON row per (model, optimizer, dtype) on `mesh`. `references`:
+    ("write", DIR) trains the one-device references and writes each one's
+    weights, predictions and XLA noise floor to DIR; ("read", DIR) waits for
+    them there instead of training them again (the same seeded build, data
+    and training: the same computation in another process)."""
+    role, directory = references or (None, None)
     for kind in kinds:
         for name in OPTIMIZERS:
             # Adam divides by sqrt(v): on a gradient entry near zero, float32
@@ -126,22 +135,65 @@ def golden(mesh, kinds=KINDS):
                 sharded = kd.shard(reference, mesh, mapper.layout_map(reference))
                 row = {"model": kind, "optimizer": name, "dtype": dtype,
                        "sharded": sorted(mapper.layouts(reference))}
-                if needs_f64 and dtype == "float32":
-                    # The noise floor: the same one-device training, compiled by XLA.
-                    other = build(kind, OPTIMIZERS[name](), jit_compile=True)
-                    other.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-                reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+                path = directory and os.path.join(directory, f"{kind}-{name}-{dtype}.npz")
+                if role == "read":
+                    expected = read_reference(path)
+                else:
+                    expected = one_device(kind, name, reference, x, y,
+                                          noise_floor=needs_f64 and dtype == "float32")
+                    if role == "write":
+                        write_reference(path, expected)
                 sharded.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-                row["max_diff"] = max_diff(sharded.get_weights(), reference.get_weights())
-                if needs_f64 and dtype == "float32":
-                    row["xla_vs_plain_one_device"] = max_diff(
-                        other.get_weights(), reference.get_weights())
+                row["max_diff"] = max_diff(sharded.get_weights(), expected["weights"])
+                if "noise_floor" in expected:
+                    row["xla_vs_plain_one_device"] = expected["noise_floor"]
                 row["predict_diff"] = float(np.abs(
-                    sharded.predict(x, 8, verbose=0) - reference.predict(x, 8, verbose=0)).max())
+                    sharded.predict(x, 8, verbose=0) - expected["predictions"]).max())
                 row.update({f"bytes_{k}": v for k, v in sharded.bytes_per_device().items()})
                 print(json.dumps(row), flush=True)
     keras.config.set_floatx("float32")
     keras.config.set_dtype_policy("float32")
+
+
+def one_device(kind, name, reference, x, y, noise_floor=False):
+    """The reference trained on one device: its weights and predictions, and
+    (`noise_floor`) how far the same training compiled by XLA ends from it."""
+    if noise_floor:
+        other = build(kind, OPTIMIZERS[name](), jit_compile=True)
+        other.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    expected = {"weights": reference.get_weights(),
+                "predictions": reference.predict(x, 8, verbose=0)}
+    if noise_floor:
+        expected["noise_floor"] = max_diff(other.get_weights(), expected["weights"])
+    return expected
+
+
+def write_reference(path, expected):
+    arrays = {f"w{i}": w for i, w in enumerate(expected["weights"])}
+    arrays["predictions"] = expected["predictions"]
+    if "noise_floor" in expected:
+        arrays["noise_floor"] = np.array(expected["noise_floor"])
+    np.savez(path + ".tmp.npz", **arrays)
+    os.replace(path + ".tmp.npz", path)  # readers never see half a file
+
+
+def read_reference(path, timeout=600):
+    failed = os.path.join(os.path.dirname(path), "failed")
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if os.path.exists(failed):
+            raise SystemExit(f"the process writing the references failed: {open(failed).read()}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no reference at {path} after {timeout} s")
+        time.sleep(0.1)
+    with np.load(path) as saved:
+        count = sum(key.startswith("w") for key in saved.files)
+        expected = {"weights": [saved[f"w{i}"] for i in range(count)],
+                    "predictions": saved["predictions"]}
+        if "noise_floor" in saved.files:
+            expected["noise_floor"] = float(saved["noise_floor"])
+    return expected
 
 
 def classifier():
@@ -328,7 +380,7 @@ def callbacks(mesh, directory):
     # Keras' BackupAndRestore: killed (SIGKILL) after epoch 2 of 4 in another
     # process, resumed here; equals 4 uninterrupted epochs on one device. A
     # copy of the killed run's backup is resumed onto another mesh (model=4)
-    # in a third process.
+    # by the model=4 process (`resume_copies`).
     backup = os.path.join(directory, "backup")
     killed = subprocess.run([sys.executable, __file__, "backup_killed", sys.argv[2], backup],
                             capture_output=True, text=True, timeout=600)
@@ -336,7 +388,6 @@ def callbacks(mesh, directory):
     shutil.copytree(backup, backup + "_other_mesh")
     resumed = resume_from(mesh, backup)
     row["resumed_epochs"], row["resumed_diff"] = resumed["epochs"], resumed["diff"]
-    row["other_mesh"] = resumed_elsewhere("backup_resumed", "model4", backup + "_other_mesh")
 
     # keras_dist's BackupAndRestore (a backup after every batch): killed in
     # the middle of epoch 2, resumed here and (a copy) onto model=4.
@@ -344,24 +395,31 @@ def callbacks(mesh, directory):
     killed = subprocess.run([sys.executable, __file__, "kd_backup_killed", sys.argv[2],
                              backup], capture_output=True, text=True, timeout=600)
     shutil.copytree(backup, backup + "_other_mesh")
+    open(os.path.join(directory, COPIES_READY), "w").close()
     row["ours"] = resume_from(mesh, backup, ours=True)
-    row["ours_other_mesh"] = resumed_elsewhere("kd_backup_resumed", "model4",
-                                               backup + "_other_mesh")
-    for key in ("ours", "ours_other_mesh"):
-        if isinstance(row[key], dict):
-            row[key]["killed_returncode"] = killed.returncode
+    row["ours"]["killed_returncode"] = killed.returncode
     print(json.dumps(row), flush=True)
 
 
-def resumed_elsewhere(mode, mesh_name, backup):
-    """`resume_from` on another mesh, in its own process: its JSON row (or
-    the end of its error output)."""
-    import subprocess
+COPIES_READY = "copies_ready"  # `callbacks` copied both killed backups
+WRITER_EXITED = "writer_exited"  # the process that runs `callbacks` ended
 
-    other = subprocess.run([sys.executable, __file__, mode, mesh_name, backup],
-                           capture_output=True, text=True, timeout=600)
-    lines = [line for line in other.stdout.splitlines() if line.startswith("{")]
-    return json.loads(lines[-1]) if lines else other.stderr[-2000:]
+
+def resume_copies(mesh, directory, timeout=900):
+    """`callbacks`' killed backups (copies) resumed on this process's mesh,
+    once that process has made them: one JSON row."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(os.path.join(directory, COPIES_READY)):
+        if os.path.exists(os.path.join(directory, WRITER_EXITED)):
+            raise SystemExit("the callbacks process ended without copying its backups")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no backups to resume after {timeout} s")
+        time.sleep(0.2)
+    print(json.dumps({
+        "other_mesh": resume_from(mesh, os.path.join(directory, "backup_other_mesh")),
+        "ours_other_mesh": resume_from(mesh, os.path.join(directory, "ours_other_mesh"),
+                                       ours=True),
+    }), flush=True)
 
 
 def backup_killed(mesh, backup, ours=False):
@@ -696,7 +754,19 @@ def logged_numbers(mesh):
 
 def run(mode, mesh, args):
     if mode == "golden":
-        golden(mesh, args[0].split(",") if args else KINDS)
+        # golden MESH [KIND,...] or golden MESH write:DIR / read:DIR
+        role, _, directory = args[0].partition(":") if args else ("", "", "")
+        if role in ("write", "read"):
+            os.makedirs(directory, exist_ok=True)
+            try:
+                golden(mesh, references=(role, directory))
+            except BaseException as error:
+                if role == "write":  # the readers stop waiting
+                    with open(os.path.join(directory, "failed"), "w") as f:
+                        f.write(repr(error))
+                raise
+        else:
+            golden(mesh, args[0].split(",") if args else KINDS)
     elif mode == "layout_map":
         keras_layout_map(mesh)
     elif mode == "user_code":
@@ -706,15 +776,17 @@ def run(mode, mesh, args):
     elif mode == "multiclient":
         multiclient(mesh, args[0])
     elif mode == "callbacks":
+        import atexit
+
+        # However this process ends, the model=4 process stops waiting.
+        atexit.register(lambda: open(os.path.join(args[0], WRITER_EXITED), "w").close())
         callbacks(mesh, args[0])
+    elif mode == "resume_copies":
+        resume_copies(mesh, args[0])
     elif mode == "backup_killed":
         backup_killed(mesh, args[0])
-    elif mode == "backup_resumed":
-        print(json.dumps(resume_from(mesh, args[0])), flush=True)
     elif mode == "kd_backup_killed":
         backup_killed(mesh, args[0], ours=True)
-    elif mode == "kd_backup_resumed":
-        print(json.dumps(resume_from(mesh, args[0], ours=True)), flush=True)
     elif mode == "save":
         save(mesh, args[0])
     elif mode == "load":

@@ -47,18 +47,23 @@ def steps_of(done) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every golden, one process per mesh, two at a time (outcomes are
-    checked, not speed). Saved on batch=2 x model=2 (its first step), then
-    loaded onto model=4 (its last; it waits for the save)."""
+    checked, not speed). model=2 trains the one-device references and
+    writes them; the other meshes read them (the same seeded computation).
+    Saved on batch=2 x model=2 (its first step), then loaded onto model=4
+    (its last; it waits for the save)."""
     saved = str(tmp_path_factory.mktemp("saved"))
     errors = str(tmp_path_factory.mktemp("errors"))
     callbacks = str(tmp_path_factory.mktemp("callbacks"))
+    references = str(tmp_path_factory.mktemp("references"))
     done = run_concurrently({
+        # First: the processes that read the references wait for its rows.
+        "model2": [sys.executable, SCRIPT, "golden", "model2", f"write:{references}"],
         "batch2_model2": [sys.executable, SCRIPT, "steps", "batch2_model2", f"save={saved}",
-                          "golden", "layout_map", "user_code", "logged_numbers",
-                          f"callbacks={callbacks}",
+                          f"golden=read:{references}", "layout_map", "user_code",
+                          "logged_numbers", f"callbacks={callbacks}",
                           f"errors={errors}"],
-        "model4": [sys.executable, SCRIPT, "steps", "model4", "golden", f"load={saved}"],
-        "model2": [sys.executable, SCRIPT, "golden", "model2"],
+        "model4": [sys.executable, SCRIPT, "steps", "model4", f"golden=read:{references}",
+                   f"load={saved}", f"resume_copies={callbacks}"],
     })
     results = {"model2": done["model2"]}
     for mesh in ("batch2_model2", "model4"):
@@ -223,6 +228,9 @@ def test_a_sharded_model_is_a_keras_model_with_keras_callbacks(runs):
     # EarlyStopping restoring the best weights, ModelCheckpoint writing plain
     # .keras files, and Keras' BackupAndRestore resuming a SIGKILLed run.
     [row] = rows_of(runs[0]["callbacks"])
+    [copies] = rows_of(runs[0]["resume_copies"])  # resumed by the model=4 process
+    row.update(copies)
+    row["ours_other_mesh"]["killed_returncode"] = row["ours"]["killed_returncode"]
     assert row["history_type"] == "History"
     assert row["epochs"][0] == row["epochs"][1] < 30, row  # stopped early, alike
     assert row["history_diff"] < 1e-5, row  # loss, val_loss per epoch

@@ -4,7 +4,8 @@ Usage: backup_main.py OUT_DIR BACKUP_DIR [key=value ...]
 Options: input=numpy|dataset, spe=N, freq=epoch|N, epochs=N, batch=B (global),
 replicas=R (one process: R logical CPUs), dropout=RATE, bn=1 (BatchNormalization),
 kill=K / term=K (SIGKILL / SIGTERM this process after its K-th trained call,
-on rank `victim`, default 0), sleep=S (seconds after each trained call),
+on rank `victim`, default 0), sleep=S (seconds after each trained call,
+until OUT_DIR/unpaced exists: a test done disturbing the job lets it end),
 seconds=S (save_every_seconds),
 killsave=K:STAGE (SIGKILL this process inside its K-th backup save: STAGE
 `files` = every file written, no manifest; `rename` = sealed, not renamed
@@ -125,7 +126,8 @@ class Tally(keras.callbacks.Callback):
             ids = [str(i) for i in np.repeat(np.arange(N), counts.astype(int))]
             with open(os.path.join(out_dir, f"ids-rank{rank}.txt"), "a") as f:
                 f.write(f"{self.epoch} {batch} {' '.join(ids)}\n")
-        if "sleep" in opts:  # a slower step, for jobs disturbed from outside
+        # A slower step, for jobs disturbed from outside.
+        if "sleep" in opts and not os.path.exists(os.path.join(out_dir, "unpaced")):
             time.sleep(float(opts["sleep"]))
         if rank == int(opts.get("victim", 0)):
             if calls == int(opts.get("kill", -1)):

@@ -28,6 +28,21 @@ def run_single(out_dir, backup_dir, *options):
     return done.returncode, done.stdout + done.stderr
 
 
+_REFERENCES = {}  # training options (backup frequency left out) -> weights
+
+
+def uninterrupted(tmp_path, *options):
+    """The weights of an uninterrupted one-process run (2 replicas) with
+    these options; how often backups are saved changes no weight, so runs
+    that differ only in it share one."""
+    key = tuple(sorted(o for o in options if not o.startswith("freq=")))
+    if key not in _REFERENCES:
+        code, out = run_single(tmp_path / "ref", tmp_path / "ref-backup", *options)
+        assert code == 0, out
+        _REFERENCES[key] = weights(tmp_path / "ref" / "rank0.npz")
+    return _REFERENCES[key]
+
+
 def weights(path):
     data = np.load(path)
     return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
@@ -74,15 +89,13 @@ def test_sigkill_twice_then_resume_matches_uninterrupted(tmp_path):
     first = rng.randrange(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH)  # mid epoch 2
     second = rng.randrange(2, STEPS_PER_EPOCH)  # within the resumed epoch
     opts = [f"input={source}", "freq=2"]
-    code, out = run_single(tmp_path / "ref", tmp_path / "ref-backup", *opts)
-    assert code == 0, out
+    reference = uninterrupted(tmp_path, *opts)
     outputs = []
     for kill in (first, second, None):
         extra = [f"kill={kill}"] if kill else []
         code, out = run_single(tmp_path / "job", tmp_path / "backup", *opts, *extra)
         outputs.append(out)
         assert code == (-9 if kill else 0), out
-    reference = weights(tmp_path / "ref" / "rank0.npz")
     resumed = weights(tmp_path / "job" / "rank0.npz")
     assert max_diff(reference, resumed) < 1e-6
     kept, runs = surviving_steps(tmp_path / "job" / "ids-rank0.txt", outputs)
@@ -94,8 +107,7 @@ def test_sigkill_twice_then_resume_matches_uninterrupted(tmp_path):
 
 def test_two_workers_sigkill_and_sigterm_then_resume(tmp_path):
     """Worker 1 is killed mid-epoch; later worker 0 is preempted (SIGTERM)."""
-    code, out = run_single(tmp_path / "ref", tmp_path / "ref-backup", "freq=2")
-    assert code == 0, out
+    reference = uninterrupted(tmp_path, "input=numpy", "freq=2")
     temp = [str(tmp_path / f"tmp{r}") for r in (0, 1)]
     codes, out1 = run_workers(
         SCRIPT, [str(tmp_path / "job"), str(tmp_path / "backup"), "freq=2",
@@ -109,7 +121,6 @@ def test_two_workers_sigkill_and_sigterm_then_resume(tmp_path):
     out3 = run_workers(
         SCRIPT, [str(tmp_path / "job"), str(tmp_path / "backup"), "freq=2"],
         temp_dirs=temp)
-    reference = weights(tmp_path / "ref" / "rank0.npz")
     for rank in (0, 1):
         assert max_diff(reference, weights(tmp_path / "job" / f"rank{rank}.npz")) < 1e-6
     # Only the chief's files persisted; the other worker's scratch is empty.
@@ -129,8 +140,7 @@ def test_resumes_on_another_number_of_workers(tmp_path, source):
     12, Adam, BatchNormalization, Dropout, no seed but the model's: the
     weights of an uninterrupted 2-worker run, each sample once per epoch."""
     opts = [f"input={source}", "batch=12", "freq=1", "bn=1"]
-    code, out = run_single(tmp_path / "ref", tmp_path / "ref-backup", *opts)
-    assert code == 0, out
+    reference = uninterrupted(tmp_path, *opts)
     codes, first = run_workers(SCRIPT, [str(tmp_path / "job"), str(tmp_path / "backup"),
                                         *opts, "kill=5", "victim=1"],
                                check=False)
@@ -142,7 +152,6 @@ def test_resumes_on_another_number_of_workers(tmp_path, source):
     third = run_workers(SCRIPT, [str(tmp_path / "job"), str(tmp_path / "backup"), *opts],
                         num_workers=3)
     assert "restored" in third[0]
-    reference = weights(tmp_path / "ref" / "rank0.npz")
     for rank in range(3):
         assert max_diff(reference, weights(tmp_path / "job" / f"rank{rank}.npz")) < 1e-5
     kept, runs = surviving_steps(tmp_path / "job" / "ids-rank0.txt",

@@ -93,6 +93,10 @@ class ElasticJob:
             time.sleep(0.05)
         raise AssertionError("no step within the timeout:\n" + self.output()[-5000:])
 
+    def unpace(self):
+        """The disturbances are over: the workers stop pacing their steps."""
+        (self.out_dir / "unpaced").touch()
+
     def stop(self):
         """Interrupts the launcher (it stops its workers) after a failed check."""
         if self.proc.poll() is None:
@@ -200,6 +204,10 @@ def test_a_job_shrinks_on_a_kill_and_a_preemption_then_grows_back(tmp_path):
             time.sleep(0.4)
             victim = sorted(job.workers())[rank]
             os.kill(victim, signum)
+        # Paced until the grow-back (after 8 s on fewer workers) has started.
+        while job.generations() < 4 and job.proc.poll() is None:
+            time.sleep(0.1)
+        job.unpace()
     except BaseException:
         job.stop()
         raise
@@ -220,8 +228,9 @@ def test_random_kill_shrink_grow_events(tmp_path, request):
     """Many events in one job: SIGKILLs and SIGTERMs (seeded order and
     victims, unseeded timing) of a worker of the full job, each after a
     step of the generation it hits, and the launcher's grow-back after each.
-    20 events with `--soak` (about 5 minutes), 8 otherwise (each kind of
-    signal at least twice).
+    20 events with `--soak` (10 signals, 5 of each kind; about 5 minutes),
+    4 otherwise (a SIGKILL and a SIGTERM, in seeded order: the second hits
+    a group that has just grown back).
 
     Signals go to the full job only: below full size the launcher's own
     grow-back SIGTERMs every worker, and a worker that gets it while it
@@ -229,7 +238,7 @@ def test_random_kill_shrink_grow_events(tmp_path, request):
     forced stop (as BackupAndRestore documents). The shrink to one worker
     is test_a_job_shrinks_on_a_kill_and_a_preemption_then_grows_back's."""
     soak = request.config.getoption("--soak")
-    wanted = 20 if soak else 8
+    wanted = 20 if soak else 4
     epochs = 30 if soak else 16
     options = ["batch=12", "freq=1", "bn=1", f"epochs={epochs}"]
     rng = random.Random(22)
@@ -249,6 +258,7 @@ def test_random_kill_shrink_grow_events(tmp_path, request):
             # The shrink, then the grow back to 3.
             while job.generations() < generation + 2 and job.proc.poll() is None:
                 time.sleep(0.1)
+        job.unpace()
     except BaseException:
         job.stop()
         raise
@@ -328,6 +338,8 @@ def test_hosts_agree_through_a_rendezvous_directory(tmp_path):
         before = steps()
         wait_until(lambda: steps() > before + 1, "steps on 3 hosts")
         launchers[2].send_signal(signal.SIGTERM)  # host 2 is preempted
+        wait_until(lambda: len(generations()) >= 4, "the generation without host 2")
+        (tmp_path / "job" / "unpaced").touch()  # the rest at full speed
         codes = [launcher.wait(timeout=300) for launcher in launchers]
     finally:
         for launcher in launchers:
