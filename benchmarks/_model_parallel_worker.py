@@ -1,8 +1,9 @@
 """One variant of scenario 6 in its own process (a DTensor mesh needs a fresh one).
 
 `--variant mirrored`: `DistributedModel` on MirroredStrategy over 4 logical
-CPUs; otherwise a DTensor mesh such as `batch=4`, `batch=2,model=2` or
-`model=4` through `keras_dist.dtensor.shard`. Prints `RESULT {json}`: ms per
+CPUs; `fsdp=4`: `FullySharded()` over a `batch=4` mesh; otherwise a DTensor
+mesh such as `batch=4`, `batch=2,model=2` or `model=4` through
+`keras_dist.dtensor.shard`. Prints `RESULT {json}`: ms per
 step of each timed epoch and the bytes each device holds (live variables).
 """
 
@@ -51,10 +52,14 @@ if args.variant == "mirrored":
     memory = {"variables": held, "replicated_variables": held}
 else:
     shape = {k: int(v) for k, v in (p.split("=") for p in args.variant.split(","))}
+    fully_sharded = "fsdp" in shape
+    if fully_sharded:
+        shape = {"batch": shape.pop("fsdp")}
     mesh = kd.make_mesh(shape, [f"cpu:{i}" for i in range(4)])
     # Pure data parallelism on a mesh without a "model" axis: an empty map,
     # every variable replicated.
-    sharded = kd.shard(model, mesh, None if "model" in shape
+    sharded = kd.shard(model, mesh, kd.FullySharded() if fully_sharded
+                       else None if "model" in shape
                        else keras.distribution.LayoutMap(mesh))
     sharded.fit(x, y, batch_size=args.batch, epochs=1, verbose=0)  # warm-up: tracing
     for _ in range(args.epochs):

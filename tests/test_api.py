@@ -155,8 +155,11 @@ def test_dtensor_names():
     from keras_dist import dtensor
 
     assert dtensor.__all__ == sorted(dtensor.__all__) == [
-        "LayoutMapper", "ShardedModel", "initialize", "load_model", "make_mesh", "shard",
+        "FullySharded", "LayoutMapper", "ShardedModel", "initialize", "load_model",
+        "make_mesh", "shard",
     ]
+    assert signature(dtensor.FullySharded.__init__) == (
+        "(self, min_elements: 'int' = 1024, axis: 'str' = 'batch')")
     assert signature(dtensor.LayoutMapper.__init__) == (
         "(self, mesh: 'keras.distribution.DeviceMesh', *, model_axis: 'str' = "
         "'model', embedding: \"Literal['vocabulary', 'dim']\" = 'vocabulary', "

@@ -49,6 +49,10 @@ def test_quick_run_produces_every_scenario(tmp_path):
     mesh = {row["variant"]: row for row in scenarios[5]["rows"]}
     share = mesh["DTensor mesh model=4 (LayoutMapper)"]["share_of_replicated"]
     assert 0.25 <= share < 0.3
+    # FullySharded over batch=4: weights and Adam state about a quarter.
+    assert 0.25 <= mesh["DTensor mesh batch=4 (FullySharded)"]["share_of_replicated"] <= 0.35
+    [state] = [r for r in scenarios[5]["ratios"] if r["name"].startswith("weights + optimizer")]
+    assert 0.25 <= state["value"] <= 0.35, state
 
 
 @pytest.mark.parametrize("args, message", [

@@ -10,11 +10,14 @@ thing on every backend.
 
 `shard(model, mesh, layout_map)` (a preview) returns a `ShardedModel`, a
 `keras.Model` trained by Keras' own fit loop on a copy of a compiled model
-whose variables and optimizer slots are sharded `DVariable`s.
+whose variables and optimizer slots are sharded `DVariable`s;
+`shard(model, mesh, FullySharded())` splits every large variable and its
+optimizer slots over the data-parallel axis instead (FSDP / ZeRO-3).
 """
 
+from keras_dist.dtensor.fully_sharded import FullySharded
 from keras_dist.dtensor.layout_mapper import LayoutMapper
 from keras_dist.dtensor.mesh import initialize, make_mesh
 from keras_dist.dtensor.sharded_model import ShardedModel, load_model, shard
 
-__all__ = ["LayoutMapper", "ShardedModel", "initialize", "load_model", "make_mesh", "shard"]
+__all__ = ["FullySharded", "LayoutMapper", "ShardedModel", "initialize", "load_model", "make_mesh", "shard"]

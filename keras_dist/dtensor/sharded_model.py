@@ -22,6 +22,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from keras_dist import _keras_compat
+from keras_dist.dtensor.fully_sharded import FullySharded
 from keras_dist.dtensor.layout_mapper import LayoutMapper, convolution_variables
 
 BATCH_AXIS = "batch"
@@ -30,7 +31,7 @@ BATCH_AXIS = "batch"
 def shard(
     model: keras.Model,
     mesh: keras.distribution.DeviceMesh,
-    layout_map: keras.distribution.LayoutMap | LayoutMapper | None = None,
+    layout_map: keras.distribution.LayoutMap | LayoutMapper | FullySharded | None = None,
 ) -> ShardedModel:
     """Returns a `ShardedModel`: `model` (built, compiled) with sharded variables.
 
@@ -39,8 +40,11 @@ def shard(
             is left untouched; the copy starts from its weights.
         mesh: A `keras.distribution.DeviceMesh` over devices DTensor knows
             (`keras_dist.dtensor.initialize` first).
-        layout_map: A `keras.distribution.LayoutMap`, or a `LayoutMapper` to
-            apply to the model (default: `LayoutMapper(mesh)`).
+        layout_map: A `keras.distribution.LayoutMap`, a `LayoutMapper` to
+            apply to the model (default: `LayoutMapper(mesh)`), or
+            `FullySharded()`: fully sharded data parallelism (each large
+            variable and its optimizer slots split over the "batch" axis,
+            gathered for each step).
 
     Example:
 
@@ -66,6 +70,7 @@ class _Shards:
         self.mesh = mesh
         self.dmesh = dmesh
         self.layouts = layouts
+        self.gathered = set()  # paths of variables gathered for each step (FullySharded)
         self.host_optimizer = None  # host copies of the optimizer's variables (backups)
 
 
@@ -98,6 +103,11 @@ class ShardedModel(keras.Model):
         }
         compile_config = model.get_compile_config()
         self._kd = _Shards(None, mesh, dmesh, by_source_path)
+        # FullySharded: the variables split over the data-parallel axis,
+        # gathered before each forward pass (source paths, then the copy's).
+        gathered = set()
+        if isinstance(layout_map, FullySharded):
+            gathered = {p for p, axes in axes_by_path.items() if layout_map.axis in axes}
         self._slot_prefixes = []
         with tf.variable_creator_scope(self._creator):
             copy = _clone(model)
@@ -108,6 +118,10 @@ class ShardedModel(keras.Model):
             for source, target in zip(model.weights, copy.weights)
         }
         self._kd.layouts = layouts
+        self._kd.gathered = {
+            target.path for source, target in zip(model.weights, copy.weights)
+            if source.path in gathered
+        }
         for path, variable in zip(layouts, copy.weights):
             if dtensor.fetch_layout(variable.value) != layouts[path]:
                 raise RuntimeError(
@@ -385,7 +399,8 @@ class ShardedModel(keras.Model):
     def _steps(self):
         if self._kd_steps is None:
             self._kd_steps = _make_steps(self._kd.model, self._kd.layouts, self._kd.dmesh,
-                                         BATCH_AXIS in self._kd.mesh.axis_names)
+                                         BATCH_AXIS in self._kd.mesh.axis_names,
+                                         self._kd.gathered)
         return self._kd_steps
 
     def _train_batch(self, data):
@@ -587,12 +602,32 @@ def _batch_size(x) -> int:
     return int(size) if size is not None else int(tf.shape(first)[0])
 
 
-def _make_steps(model, layouts, dmesh, split_batch: bool) -> _Steps:
+def _make_steps(model, layouts, dmesh, split_batch: bool, gathered=frozenset()) -> _Steps:
     """The sharded copy's train step and forward pass. They take the batch
     replicated on the mesh and split it over "batch" themselves; what they
     return is replicated (every device holds all of it), so the host reads
-    one device's copy: no eager relayout per step."""
+    one device's copy: no eager relayout per step. Variables in `gathered`
+    (FullySharded) are gathered before the forward pass and their updates
+    (a normalization's moving statistics) split back."""
     forms = {}
+    to_gather = [v for v in model.weights if v.path in gathered]
+
+    def running(forward):
+        """`forward()` with the gathered variables' values (all-gathered)."""
+        if not to_gather:
+            return forward()
+        values = [
+            dtensor.relayout(tf.convert_to_tensor(v.value),
+                             dtensor.Layout.replicated(dmesh, len(v.shape)))
+            for v in to_gather
+        ]
+        with keras.StatelessScope(state_mapping=list(zip(to_gather, values))) as scope:
+            result = forward()
+        for variable in model.weights:
+            value = scope.get_current_value(variable)
+            if value is not None and all(value is not v for v in values):
+                variable.assign(dtensor.relayout(value, layouts[variable.path]))
+        return result
 
     def split(structure):
         def one(value):
@@ -603,6 +638,17 @@ def _make_steps(model, layouts, dmesh, split_batch: bool) -> _Steps:
 
         return None if structure is None else tf.nest.map_structure(one, structure)
 
+    def batch_only(structure):
+        """Laid out over "batch" only: gathered over every other axis."""
+        def one(value):
+            rank = value.shape.rank
+            axes = [dtensor.UNSHARDED] * rank
+            if split_batch and rank:
+                axes[0] = BATCH_AXIS
+            return dtensor.relayout(value, dtensor.Layout(axes, dmesh))
+
+        return tf.nest.map_structure(one, structure)
+
     def whole(structure):
         return tf.nest.map_structure(
             lambda v: dtensor.relayout(v, dtensor.Layout.replicated(dmesh, v.shape.rank)),
@@ -611,11 +657,20 @@ def _make_steps(model, layouts, dmesh, split_batch: bool) -> _Steps:
     @tf.function
     def gradients_of(x, y, sample_weight):
         x, y, sample_weight = split(x), split(y), split(sample_weight)
-        with tf.GradientTape() as tape:
+        def forward():
             y_pred = model(x, training=True)
-            logits, forms["train"] = _keras_compat.logits_of(y_pred)
-            loss = model.compute_loss(x=x, y=y, y_pred=y_pred,
+            logits, form = _keras_compat.logits_of(y_pred)
+            # The loss sees each output laid out over "batch" only, with the
+            # logits it came from: a class dimension sharded over "model"
+            # broke DTensor's expansion of the loss's own ops (OneHot:
+            # "non-broadcastable operands").
+            seen = _keras_compat.with_logits(batch_only(y_pred), batch_only(logits), form)
+            loss = model.compute_loss(x=x, y=y, y_pred=seen,
                                       sample_weight=sample_weight, training=True)
+            return y_pred, logits, form, loss
+
+        with tf.GradientTape() as tape:
+            y_pred, logits, forms["train"], loss = running(forward)
             # As Keras' train step: a LossScaleOptimizer scales the loss (its
             # update unscales the gradients); other optimizers leave it.
             scaled = model.optimizer.scale_loss(loss)
@@ -651,7 +706,7 @@ def _make_steps(model, layouts, dmesh, split_batch: bool) -> _Steps:
 
     @tf.function
     def predict(x):
-        y_pred = model(split(x), training=False)
+        y_pred = running(lambda: model(split(x), training=False))
         logits, forms["predict"] = _keras_compat.logits_of(y_pred)
         return whole(y_pred), whole(logits)
 
@@ -779,12 +834,17 @@ def _axes_by_path(model, mesh, layout_map) -> dict:
     where the map said otherwise."""
     if layout_map is None:
         layout_map = LayoutMapper(mesh)
+    if isinstance(layout_map, FullySharded):
+        # Every layer runs on gathered values: convolutions included.
+        found = layout_map.layouts(model, mesh)
+        return {v.path: found.get(v.path, (None,) * len(v.shape)) for v in model.weights}
     if isinstance(layout_map, LayoutMapper):
         layout_map = layout_map.layout_map(model)
     elif not isinstance(layout_map, keras.distribution.LayoutMap):
         raise TypeError(
             "Argument `layout_map` must be a keras.distribution.LayoutMap, a "
-            f"keras_dist.dtensor.LayoutMapper or None. Received: layout_map="
+            "keras_dist.dtensor.LayoutMapper, keras_dist.dtensor.FullySharded() "
+            f"or None. Received: layout_map="
             f"{layout_map!r} of type {type(layout_map).__name__}"
         )
     axes_by_path = {}

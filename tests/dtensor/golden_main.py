@@ -553,6 +553,7 @@ def multiclient(mesh, directory):
     except ValueError as error:
         results["shuffle_error"] = np.array(str(error))
     np.savez(os.path.join(directory, f"rank{rank}.npz"), **results)
+    loss_matrix(mesh)  # its JSON rows, on each process
     print("done", rank, flush=True)
 
 
@@ -752,6 +753,215 @@ def logged_numbers(mesh):
         print(json.dumps(row), flush=True)
 
 
+def matrix_cases():
+    """{case: (build, fit arguments)} for `loss_matrix`: every built-in Keras
+    loss (probabilities and logits) with the common metrics, sample weights,
+    class weights and validation, in 5 models (the many heads in one)."""
+    rs = np.random.RandomState(5)
+    n, n_val = 32, 16
+    x = rs.randn(n + n_val, 16).astype("float32")
+    labels = (x[:, :4] + 0.5 * rs.randn(n + n_val, 4)).argmax(1)
+    onehot = np.eye(4, dtype="float32")[labels]
+    multi = (x[:, 4:8] > 0).astype("float32")  # multi-label targets
+    positive = np.abs(x[:, 8:12]) + 0.5  # counts, percentages, log errors
+    signs = 2 * multi - 1  # hinge targets
+    weights = rs.uniform(0.2, 2.0, n + n_val).astype("float32")
+    head = keras.layers.Dense
+    heads = {
+        # name: (layer, loss, targets, metrics)
+        "mse": (head(4), "mean_squared_error", x[:, 12:16],
+                ["mean_absolute_error", "root_mean_squared_error", keras.metrics.R2Score()]),
+        "mae": (head(4), "mean_absolute_error", x[:, 12:16], []),
+        "mape": (head(4), "mean_absolute_percentage_error", positive,
+                 ["mean_absolute_percentage_error"]),
+        "msle": (head(4, activation="softplus"), "mean_squared_logarithmic_error", positive,
+                 ["mean_squared_logarithmic_error"]),
+        "cosine": (head(4), "cosine_similarity", x[:, 12:16], ["cosine_similarity"]),
+        "huber": (head(4), "huber", x[:, 12:16], []),
+        "log_cosh": (head(4), "log_cosh", x[:, 12:16], ["log_cosh_error"]),
+        "poisson": (head(4, activation="softplus"), "poisson", positive, ["poisson"]),
+        "kl": (head(4, activation="softmax"), "kl_divergence",
+               positive / positive.sum(1, keepdims=True), ["kl_divergence"]),
+        "bce": (head(4, activation="sigmoid"), "binary_crossentropy", multi,
+                ["binary_accuracy", keras.metrics.AUC(), keras.metrics.Precision(),
+                 keras.metrics.Recall(), "binary_crossentropy"]),
+        "bfocal": (head(4, activation="sigmoid"), "binary_focal_crossentropy", multi, []),
+        "cce": (head(4, activation="softmax"), "categorical_crossentropy", onehot,
+                ["categorical_accuracy", keras.metrics.TopKCategoricalAccuracy(k=2),
+                 "categorical_crossentropy"]),
+        "cfocal": (head(4, activation="softmax"), "categorical_focal_crossentropy", onehot, []),
+        "cgce": (head(4, activation="softmax"), keras.losses.CategoricalGeneralizedCrossEntropy(),
+                 labels, []),  # integer labels
+        "scce": (head(4, activation="softmax"), "sparse_categorical_crossentropy", labels,
+                 ["sparse_categorical_accuracy",
+                  keras.metrics.SparseTopKCategoricalAccuracy(k=2)]),
+        "hinge": (head(4, activation="tanh"), "hinge", signs, ["hinge"]),
+        "squared_hinge": (head(4, activation="tanh"), "squared_hinge", signs,
+                          ["squared_hinge"]),
+        "categorical_hinge": (head(4), "categorical_hinge", onehot, ["categorical_hinge"]),
+        "dice": (head(4, activation="sigmoid"), keras.losses.Dice(), multi, []),
+        "tversky": (head(4, activation="sigmoid"), keras.losses.Tversky(), multi, []),
+        "bce_logits": (head(4), keras.losses.BinaryCrossentropy(from_logits=True), multi,
+                       [keras.metrics.BinaryCrossentropy(from_logits=True),
+                        keras.metrics.AUC(from_logits=True)]),
+        "bfocal_logits": (head(4), keras.losses.BinaryFocalCrossentropy(from_logits=True),
+                          multi, []),
+        "cce_logits": (head(4), keras.losses.CategoricalCrossentropy(from_logits=True), onehot,
+                       [keras.metrics.CategoricalCrossentropy(from_logits=True)]),
+        "cfocal_logits": (head(4),
+                          keras.losses.CategoricalFocalCrossentropy(from_logits=True),
+                          onehot, []),
+        "scce_logits": (head(4), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                        labels, [keras.metrics.SparseCategoricalCrossentropy(from_logits=True)]),
+    }
+
+    def copy(thing):  # a fresh layer / loss / metric object per model built
+        return thing if isinstance(thing, str) else thing.__class__.from_config(
+            thing.get_config())
+
+    def trunk():
+        inputs = keras.Input((16,))
+        return inputs, keras.layers.Dense(32, activation="gelu", name="trunk")(inputs)
+
+    def all_heads():
+        inputs, h = trunk()
+        model = keras.Model(inputs, {name: copy(layer)(h) for name, (layer, *_) in heads.items()})
+        # The trunk takes the sum of 25 heads' gradients: a smaller rate.
+        model.compile(keras.optimizers.SGD(0.005, momentum=0.9),
+                      loss={name: copy(loss) for name, (_, loss, *_) in heads.items()},
+                      metrics={name: [copy(m) for m in metrics]
+                               for name, (*_, metrics) in heads.items()})
+        return model
+
+    def single(layer, loss, metrics):
+        def build():
+            inputs, h = trunk()
+            model = keras.Model(inputs, copy(layer)(h))
+            model.compile(keras.optimizers.SGD(0.05, momentum=0.9), copy(loss),
+                          metrics=[copy(m) for m in metrics])
+            return model
+        return build
+
+    def circle_model():
+        inputs, h = trunk()
+        model = keras.Model(inputs, keras.layers.UnitNormalization()(head(8)(h)))
+        model.compile(keras.optimizers.SGD(0.005, momentum=0.9), keras.losses.Circle())
+        return model
+
+    def ctc_model():
+        inputs = keras.Input((6, 8))
+        h = keras.layers.Dense(32, activation="gelu", name="trunk")(inputs)
+        model = keras.Model(inputs, head(5, activation="softmax")(h))
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9), keras.losses.CTC())
+        return model
+
+    def arguments(x_all, y_all, w_all=None, **more):
+        split = lambda tree, part: keras.tree.map_structure(lambda a: a[part], tree)  # noqa: E731
+        train, val = slice(0, n), slice(n, None)
+        fit = dict(x=x_all[train], y=split(y_all, train), batch_size=8, epochs=2,
+                   shuffle=False, verbose=0, **more)
+        evaluate = dict(x=x_all[val], y=split(y_all, val), batch_size=8, verbose=0,
+                        return_dict=True)
+        if w_all is None:
+            fit["validation_data"] = (x_all[val], split(y_all, val))
+        else:
+            fit["sample_weight"] = w_all[train]
+            fit["validation_data"] = (x_all[val], split(y_all, val), w_all[val])
+            evaluate["sample_weight"] = w_all[val]
+        return fit, evaluate
+
+    sequences = rs.randn(n + n_val, 6, 8).astype("float32")
+    # CTC targets: 3 labels from 1..4 (0 is the blank).
+    ctc_labels = rs.randint(1, 5, size=(n + n_val, 3)).astype("int32")
+    class_weight = {0: 1.0, 1: 2.0, 2: 0.5, 3: 1.5}
+    return {
+        "all_heads": (all_heads, arguments(x, {k: v[2] for k, v in heads.items()}, weights)),
+        "class_weight": (single(head(4, activation="softmax"),
+                                "sparse_categorical_crossentropy", ["accuracy"]),
+                         arguments(x, labels, class_weight=class_weight)),
+        "class_weight_logits": (single(head(4), keras.losses.CategoricalCrossentropy(
+            from_logits=True), ["categorical_accuracy"]),
+            arguments(x, onehot, class_weight=class_weight)),
+        "circle": (circle_model, arguments(x, labels.astype("int32"), weights)),
+        "ctc": (ctc_model, arguments(sequences, ctc_labels)),
+    }
+
+
+def loss_matrix(mesh):
+    """`matrix_cases` on `mesh` against one device from the same weights (the
+    sharded model's, which are process 0's under a launched job): one JSON
+    row per case, every history value and evaluate's relative difference."""
+    for case, (build, (fit, evaluate)) in matrix_cases().items():
+        sharded = kd.shard(build(), mesh, kd.LayoutMapper(mesh, min_elements=0))
+        reference = build()
+        reference.set_weights(sharded.get_weights())
+        expected = reference.fit(**fit).history
+        got = sharded.fit(**fit).history
+        evaluated = [m.evaluate(**evaluate) for m in (reference, sharded)]
+
+        def relative(a, b):
+            a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
+            return float(np.max(np.abs(a - b) / np.maximum(1.0, np.abs(b))))
+
+        print(json.dumps({
+            "case": case, "keys": [sorted(expected), sorted(got)],
+            "evaluate_keys": [sorted(evaluated[0]), sorted(evaluated[1])],
+            "history_diff": {k: relative(got[k], expected[k]) for k in expected if k in got},
+            "evaluate_diff": {k: relative(evaluated[1][k], evaluated[0][k])
+                              for k in evaluated[0] if k in evaluated[1]},
+            "weights_diff": {
+                v.path: relative(a, b) for v, a, b in zip(
+                    reference.weights, sharded.get_weights(), reference.get_weights())},
+            "largest_weight": max(float(np.abs(w).max()) for w in reference.get_weights()),
+        }), flush=True)
+
+
+def fsdp_model(optimizer):
+    """Our own model for fully sharded data parallelism: an embedding, a
+    convolution, a LayerNormalization and a Dense pair (seeded)."""
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((8,), dtype="int32")
+    h = keras.layers.Embedding(64, 16, name="emb")(inputs)
+    h = keras.layers.Conv1D(32, 3, activation="relu", name="conv")(h)
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dense(64, activation="relu", name="fc")(h)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(h), name="fsdp")
+    model.compile(optimizer, "mse", metrics=["mae"])
+    return model
+
+
+def fully_sharded(size):
+    """FullySharded over a {"batch": size} mesh against one device: one JSON
+    row per optimizer (weights, history and predictions differences, the
+    layouts, the bytes each device holds)."""
+    size = int(size)
+    mesh = kd.make_mesh({"batch": size}, [f"cpu:{i}" for i in range(size)])
+    rs = np.random.RandomState(6)
+    # Each batch of 8 holds every token id once (see `data`: Adam).
+    x = np.concatenate([rs.permutation(64).reshape(8, 8) for _ in range(5)]).astype("int32")
+    y = rs.randn(40, 4).astype("float32")
+    for name in ("momentum", "adam"):
+        reference = fsdp_model(OPTIMIZERS[name]())
+        sharded = kd.shard(reference, mesh, kd.FullySharded(min_elements=256))
+        arguments = dict(batch_size=8, epochs=2, shuffle=False, verbose=0,
+                         validation_data=(x[32:], y[32:]))
+        expected = reference.fit(x[:32], y[:32], **arguments).history
+        got = sharded.fit(x[:32], y[:32], **arguments).history
+        print(json.dumps({
+            "optimizer": name, "size": size,
+            "layouts": {path: list(layout.sharding_specs)
+                        for path, layout in sorted(sharded.layouts.items())},
+            "max_diff": max_diff(sharded.get_weights(), reference.get_weights()),
+            "history_diff": max(float(np.max(np.abs(np.array(got[k]) - np.array(expected[k]))))
+                                for k in expected),
+            "keys": [sorted(expected), sorted(got)],
+            "predict_diff": float(np.abs(sharded.predict(x, 8, verbose=0)
+                                         - reference.predict(x, 8, verbose=0)).max()),
+            "bytes": sharded.bytes_per_device(),
+        }), flush=True)
+
+
 def run(mode, mesh, args):
     if mode == "golden":
         # golden MESH [KIND,...] or golden MESH write:DIR / read:DIR
@@ -773,6 +983,10 @@ def run(mode, mesh, args):
         user_code(mesh)
     elif mode == "logged_numbers":
         logged_numbers(mesh)
+    elif mode == "loss_matrix":
+        loss_matrix(mesh)
+    elif mode == "fully_sharded":
+        fully_sharded(args[0])
     elif mode == "multiclient":
         multiclient(mesh, args[0])
     elif mode == "callbacks":

@@ -226,3 +226,45 @@ def test_make_mesh():
         make_mesh({"model": 0}, CPUS[:1])
     with pytest.raises(TypeError, match="mapping"):
         make_mesh([("model", 2)])
+
+
+def test_fully_sharded_splits_each_large_variable_at_its_first_dimension_that_divides():
+    from keras_dist.dtensor import FullySharded
+
+    inputs = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(30, 8, name="emb")(inputs)  # 240 elements: 30 % 4 no, 8 % 4
+    h = keras.layers.Conv1D(12, 3, name="conv")(h)  # kernel (3, 8, 12): 3 no, 8 yes
+    h = keras.layers.LayerNormalization(name="norm")(h)  # 12 + 12: small
+    h = keras.layers.Flatten()(h)
+    outputs = keras.layers.Dense(3, name="head")(h)  # kernel (48, 3): 48
+    model = keras.Model(inputs, outputs)
+    assert FullySharded(min_elements=100).layouts(model, mesh(batch=4)) == {
+        "emb/embeddings": (None, "batch"),
+        "conv/kernel": (None, "batch", None),
+        "head/kernel": ("batch", None),
+    }
+    # On a mesh with a model axis too: only the data-parallel axis is used.
+    assert FullySharded(min_elements=250).layouts(model, mesh(batch=2, model=2)) == {
+        "conv/kernel": (None, "batch", None),
+    }
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"min_elements": -1}, "Argument `min_elements` must be a non-negative integer"),
+    ({"min_elements": 1.5}, "Received: min_elements=1.5"),
+    ({"axis": ""}, "Argument `axis` must be the name of the mesh axis"),
+])
+def test_fully_sharded_names_a_bad_argument(kwargs, message):
+    from keras_dist.dtensor import FullySharded
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        FullySharded(**kwargs)
+
+
+def test_fully_sharded_needs_its_axis_on_the_mesh():
+    from keras_dist.dtensor import FullySharded
+
+    with pytest.raises(ValueError, match=re.escape(
+            "FullySharded splits variables over the mesh axis 'batch', which the mesh "
+            "does not have (its axes: ['model'])")):
+        FullySharded().layouts(mlp(), mesh(model=2))

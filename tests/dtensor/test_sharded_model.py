@@ -9,6 +9,7 @@ hung on a 4-device one.
 import json
 import os
 import pathlib
+import re
 import sys
 
 import keras
@@ -57,19 +58,23 @@ def runs(tmp_path_factory):
     references = str(tmp_path_factory.mktemp("references"))
     done = run_concurrently({
         # First: the processes that read the references wait for its rows.
-        "model2": [sys.executable, SCRIPT, "golden", "model2", f"write:{references}"],
+        "model2": [sys.executable, SCRIPT, "steps", "model2", f"golden=write:{references}",
+                   "loss_matrix", "fully_sharded=2"],
         "batch2_model2": [sys.executable, SCRIPT, "steps", "batch2_model2", f"save={saved}",
                           f"golden=read:{references}", "layout_map", "user_code",
-                          "logged_numbers", f"callbacks={callbacks}",
+                          "logged_numbers", "loss_matrix", f"callbacks={callbacks}",
                           f"errors={errors}"],
         "model4": [sys.executable, SCRIPT, "steps", "model4", f"golden=read:{references}",
-                   f"load={saved}", f"resume_copies={callbacks}"],
+                   "fully_sharded=4", f"load={saved}", f"resume_copies={callbacks}"],
     })
-    results = {"model2": done["model2"]}
-    for mesh in ("batch2_model2", "model4"):
+    results = {}
+    for mesh in ("model2", "batch2_model2", "model4"):
         rows_of(done[mesh])  # the process succeeded
         steps = steps_of(done[mesh])
         results[mesh] = steps.pop("golden")
+        for name in ("loss_matrix", "fully_sharded"):  # run on more than one mesh
+            if name in steps:
+                results[f"{name}/{mesh}"] = steps.pop(name)
         results.update(steps)
     results["save_load"] = results.pop("load")
     return results, saved, errors
@@ -281,7 +286,8 @@ def test_one_mesh_spans_the_processes_of_a_launched_job(tmp_path, capfd):
 
     status = keras_dist.launch(SCRIPT, ["multiclient", "batch2_model2", str(tmp_path)],
                                num_workers=2)
-    assert status == 0, capfd.readouterr().out[-4000:]
+    out = capfd.readouterr().out
+    assert status == 0, out[-4000:]
     ranks = [np.load(tmp_path / f"rank{r}.npz") for r in (0, 1)]
     assert [int(r["clients"]) for r in ranks] == [2, 2]
     # Against one device started from the same weights (weights, and every
@@ -317,6 +323,47 @@ def test_one_mesh_spans_the_processes_of_a_launched_job(tmp_path, capfd):
     for r in ranks:
         assert "argument `shuffle` must be False for array input when a mesh spans " \
                "several processes" in str(r["shuffle_error"])
+    # The loss and metric matrix on the 2-process mesh: each worker's rows.
+    printed = {0: [], 1: []}
+    for line in out.splitlines():
+        match = re.match(r"\[worker (\d)\] (\{.*\})$", line)
+        if match:
+            printed[int(match.group(1))].append(json.loads(match.group(2)))
+    for rank in (0, 1):
+        check_loss_matrix(printed[rank])
+    assert printed[0] == printed[1]  # every logged number identical on both
+
+
+MATRIX_CASES = ["all_heads", "class_weight", "class_weight_logits", "circle", "ctc"]
+
+
+def check_loss_matrix(rows):
+    """Every case of golden_main.matrix_cases: the keys Keras logs, each
+    history value (every epoch), evaluate and the trained weights within
+    1e-5 (relative to the number's size above 1) of one device from the
+    same weights."""
+    assert [r["case"] for r in rows] == MATRIX_CASES, rows
+    for row in rows:
+        assert row["keys"][0] == row["keys"][1], row
+        assert row["evaluate_keys"][0] == row["evaluate_keys"][1], row
+        assert "val_loss" in row["history_diff"], row
+        bad = {k: v for k, v in {**row["history_diff"], **row["evaluate_diff"]}.items()
+               if not v < 1e-5}
+        assert not bad, (row["case"], bad)
+        assert max(row["weights_diff"].values()) < 1e-5, (row["case"], row["weights_diff"])
+    # Every built-in loss logs under its head in the one many-headed model.
+    heads = {k[:-len("_loss")] for k in rows[0]["keys"][0]
+             if k.endswith("_loss") and not k.startswith("val_")}
+    assert len(heads) == 25, sorted(heads)
+
+
+@pytest.mark.parametrize("mesh", ["model2", "batch2_model2"])
+def test_every_builtin_loss_and_common_metric_logs_what_keras_logs(runs, mesh):
+    # Sample weights (training and validation), class weights, validation
+    # data, probabilities and logits, pairwise (circle) and sequence (CTC)
+    # losses; the launched 2-process mesh runs the same cases
+    # (test_one_mesh_spans_the_processes_of_a_launched_job).
+    check_loss_matrix(rows_of(runs[0][f"loss_matrix/{mesh}"]))
 
 
 def test_every_logged_number_is_the_one_keras_logs(runs):
@@ -351,3 +398,35 @@ def test_models_written_the_ordinary_ways_shard_and_match_one_device(runs):
         assert row["logs_diff"] < 1e-5 and row["evaluate_diff"] < 1e-5, row
         assert row["predict_diff"] < 1e-5, row
     assert rows[0]["log_keys"][1] == ["cls_accuracy", "cls_loss", "loss", "reg_loss"]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_fully_sharded_splits_weights_and_slots_and_trains_as_one_device(runs, size):
+    # FullySharded over {"batch": size}: every variable of 256 elements or
+    # more split over the batch axis at its first dimension that divides
+    # (the convolution's too: each step gathers before the forward pass),
+    # the small ones replicated; momentum and Adam train to one device's
+    # weights, log its numbers and predict as it does.
+    rows = rows_of(runs[0][f"fully_sharded/{'model2' if size == 2 else 'model4'}"])
+    assert [r["optimizer"] for r in rows] == ["momentum", "adam"]
+    split = {"emb/embeddings": ["batch", "unsharded"],
+             "conv/kernel": ["unsharded", "batch", "unsharded"],
+             "fc/kernel": ["batch", "unsharded"],
+             "head/kernel": ["batch", "unsharded"]}
+    for row in rows:
+        assert row["size"] == size
+        layouts = row["layouts"]
+        assert {p: a for p, a in layouts.items() if "batch" in a} == split, layouts
+        assert row["max_diff"] < 1e-5, row
+        assert row["history_diff"] < 1e-5, row
+        assert row["keys"][0] == row["keys"][1] == [
+            "loss", "mae", "val_loss", "val_mae"], row
+        assert row["predict_diff"] < 1e-5, row
+        # Bytes read from the live shards: the split variables 1/size each,
+        # the replicated 164 elements whole (biases, LayerNormalization).
+        split_elements = 64 * 16 + 3 * 16 * 32 + 192 * 64 + 64 * 4
+        data = row["bytes"]
+        assert data["replicated_variables"] == 4 * (split_elements + 164), data
+        assert data["variables"] == 4 * (split_elements // size + 164), data
+        assert data["variables"] <= (1 / size + 0.1) * data["replicated_variables"], data
+        assert data["optimizer"] <= (1 / size + 0.1) * data["replicated_optimizer"], data
