@@ -638,17 +638,6 @@ def _make_steps(model, layouts, dmesh, split_batch: bool, gathered=frozenset()) 
 
         return None if structure is None else tf.nest.map_structure(one, structure)
 
-    def batch_only(structure):
-        """Laid out over "batch" only: gathered over every other axis."""
-        def one(value):
-            rank = value.shape.rank
-            axes = [dtensor.UNSHARDED] * rank
-            if split_batch and rank:
-                axes[0] = BATCH_AXIS
-            return dtensor.relayout(value, dtensor.Layout(axes, dmesh))
-
-        return tf.nest.map_structure(one, structure)
-
     def whole(structure):
         return tf.nest.map_structure(
             lambda v: dtensor.relayout(v, dtensor.Layout.replicated(dmesh, v.shape.rank)),
@@ -656,15 +645,16 @@ def _make_steps(model, layouts, dmesh, split_batch: bool, gathered=frozenset()) 
 
     @tf.function
     def gradients_of(x, y, sample_weight):
-        x, y, sample_weight = split(x), split(y), split(sample_weight)
         def forward():
-            y_pred = model(x, training=True)
+            y_pred = model(split(x), training=True)
             logits, form = _keras_compat.logits_of(y_pred)
-            # The loss sees each output laid out over "batch" only, with the
-            # logits it came from: a class dimension sharded over "model"
-            # broke DTensor's expansion of the loss's own ops (OneHot:
-            # "non-broadcastable operands").
-            seen = _keras_compat.with_logits(batch_only(y_pred), batch_only(logits), form)
+            # The loss is computed on the whole outputs (gathered: every
+            # device computes it, as one device would), with the logits
+            # they came from, and the batch's labels as given: DTensor's
+            # expansion of a loss's own ops failed on outputs sharded over
+            # "model" (OneHot: "non-broadcastable operands") and over
+            # "batch" (CTC's ScatterNd: "operand #1 does not dominate").
+            seen = _keras_compat.with_logits(whole(y_pred), whole(logits), form)
             loss = model.compute_loss(x=x, y=y, y_pred=seen,
                                       sample_weight=sample_weight, training=True)
             return y_pred, logits, form, loss

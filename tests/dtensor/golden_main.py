@@ -990,10 +990,6 @@ def run(mode, mesh, args):
     elif mode == "multiclient":
         multiclient(mesh, args[0])
     elif mode == "callbacks":
-        import atexit
-
-        # However this process ends, the model=4 process stops waiting.
-        atexit.register(lambda: open(os.path.join(args[0], WRITER_EXITED), "w").close())
         callbacks(mesh, args[0])
     elif mode == "resume_copies":
         resume_copies(mesh, args[0])
@@ -1025,6 +1021,14 @@ if __name__ == "__main__":
         # Several modes one after another on one mesh in one process (one
         # TensorFlow start): `steps MESH MODE[=ARG] ...`, each mode's lines
         # after a {"step": MODE} line.
+        for step in sys.argv[3:]:
+            if step.startswith("callbacks="):
+                import atexit
+
+                # However this process ends (an earlier step failing too),
+                # the process resuming the callbacks' copies stops waiting.
+                marker = os.path.join(step.partition("=")[2], WRITER_EXITED)
+                atexit.register(lambda path=marker: open(path, "w").close())
         for step in sys.argv[3:]:
             name, _, arg = step.partition("=")
             print(json.dumps({"step": name}), flush=True)
