@@ -271,6 +271,12 @@ class ShardedModel(keras.Model):
         layouts = self._kd.layouts
         layout = layouts.get(path, layouts.get(base))
         if layout is None:
+            # A nested model's layers are built in their own scope: "dense"
+            # for the variable whose path is "sequential/dense/kernel".
+            nested = [key for key in layouts if key.endswith("/" + path)]
+            if len(nested) == 1:
+                layout = layouts[nested[0]]
+        if layout is None:
             for prefix, candidate in self._slot_prefixes:
                 if base.startswith(prefix + "_") and candidate.rank == initial.shape.rank:
                     layout = candidate

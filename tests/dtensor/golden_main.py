@@ -553,7 +553,7 @@ def multiclient(mesh, directory):
     except ValueError as error:
         results["shuffle_error"] = np.array(str(error))
     np.savez(os.path.join(directory, f"rank{rank}.npz"), **results)
-    loss_matrix(mesh)  # its JSON rows, on each process
+    loss_matrix(mesh, reference_too=rank == 0)  # its JSON rows, on each process
     print("done", rank, flush=True)
 
 
@@ -690,69 +690,6 @@ def errors(mesh, directory):
     print(json.dumps(messages), flush=True)
 
 
-def logged_numbers(mesh):
-    """Every logged number as Keras logs it, where the predictions come from
-    a softmax or sigmoid and the validation set saturates them (confidently
-    wrong): Keras' crossentropies read the logits, not the clipped
-    probabilities. One row per head: history (loss, val_loss, every metric,
-    every epoch) and evaluate against one device from the same weights."""
-    rs = np.random.RandomState(3)
-    x = rs.randn(64, 16).astype("float32")
-    labels = x[:, :4].argmax(1)
-    heads = {
-        # head: (the output layers, loss, labels, extra metrics)
-        "softmax_activation": (
-            [keras.layers.Dense(4, activation="softmax")],
-            "sparse_categorical_crossentropy", labels,
-            ["sparse_categorical_crossentropy"]),
-        "softmax_layer": (
-            [keras.layers.Dense(4), keras.layers.Softmax()],
-            "categorical_crossentropy", np.eye(4, dtype="float32")[labels],
-            ["categorical_crossentropy"]),
-        "sigmoid": (
-            [keras.layers.Dense(4, activation="sigmoid")],
-            "binary_crossentropy", np.eye(4, dtype="float32")[labels],
-            ["binary_crossentropy", "auc"]),
-        "from_logits": (
-            [keras.layers.Dense(4)],
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True), labels,
-            [keras.metrics.SparseCategoricalCrossentropy(from_logits=True)]),
-    }
-    for head, (layers, loss, y, extra) in heads.items():
-        def build(layers=layers, loss=loss, extra=extra):
-            inputs = keras.Input((16,))
-            h = keras.layers.Dense(32, activation="gelu")(inputs)
-            for layer in layers:
-                h = layer.__class__.from_config(layer.get_config())(h)
-            model = keras.Model(inputs, h)
-            metrics = ["accuracy"] + [m if isinstance(m, str) else m.__class__.from_config(
-                m.get_config()) for m in extra]
-            model.compile(keras.optimizers.SGD(0.1, momentum=0.9), loss, metrics=metrics)
-            return model
-
-        reference = build()
-        sharded = kd.shard(build(), mesh, kd.LayoutMapper(mesh, min_elements=0))
-        sharded.set_weights(reference.get_weights())
-        x_val, y_val = x[:16] * 30, y[:16][::-1]  # saturated, mostly wrong
-        arguments = dict(batch_size=8, epochs=3, shuffle=False, verbose=0,
-                         validation_data=(x_val, y_val))
-        expected = reference.fit(x, y, **arguments).history
-        got = sharded.fit(x, y, **arguments).history
-        evaluated = [m.evaluate(x_val, y_val, batch_size=8, verbose=0, return_dict=True)
-                     for m in (reference, sharded)]
-        row = {"head": head, "keys": [sorted(expected), sorted(got)],
-               "val_loss": expected["val_loss"][-1]}
-        # Relative to the number's size (a saturated crossentropy is large).
-        row["history_diff"] = max(
-            float(np.max(np.abs(np.array(got[k]) - np.array(expected[k]))
-                         / np.maximum(1.0, np.abs(np.array(expected[k])))))
-            for k in expected)
-        row["evaluate_diff"] = max(
-            abs(evaluated[1][k] - evaluated[0][k]) / max(1.0, abs(evaluated[0][k]))
-            for k in evaluated[0])
-        print(json.dumps(row), flush=True)
-
-
 def matrix_cases():
     """{case: (build, fit arguments)} for `loss_matrix`: every built-in Keras
     loss (probabilities and logits) with the common metrics, sample weights,
@@ -789,6 +726,9 @@ def matrix_cases():
         "cce": (head(4, activation="softmax"), "categorical_crossentropy", onehot,
                 ["categorical_accuracy", keras.metrics.TopKCategoricalAccuracy(k=2),
                  "categorical_crossentropy"]),
+        # A Softmax layer (its op's input is the logits), as a nested model.
+        "cce_softmax_layer": (keras.Sequential([head(4), keras.layers.Softmax()]),
+                              "categorical_crossentropy", onehot, []),
         "cfocal": (head(4, activation="softmax"), "categorical_focal_crossentropy", onehot, []),
         "cgce": (head(4, activation="softmax"), keras.losses.CategoricalGeneralizedCrossEntropy(),
                  labels, []),  # integer labels
@@ -826,7 +766,7 @@ def matrix_cases():
     def all_heads():
         inputs, h = trunk()
         model = keras.Model(inputs, {name: copy(layer)(h) for name, (layer, *_) in heads.items()})
-        # The trunk takes the sum of 25 heads' gradients: a smaller rate.
+        # The trunk takes the sum of 26 heads' gradients: a smaller rate.
         model.compile(keras.optimizers.SGD(0.005, momentum=0.9),
                       loss={name: copy(loss) for name, (_, loss, *_) in heads.items()},
                       metrics={name: [copy(m) for m in metrics]
@@ -855,18 +795,23 @@ def matrix_cases():
         model.compile(keras.optimizers.SGD(0.05, momentum=0.9), keras.losses.CTC())
         return model
 
-    def arguments(x_all, y_all, w_all=None, **more):
+    def arguments(x_all, y_all, w_all=None, saturated=False, **more):
+        """Fit and evaluate arguments; `saturated`: a validation set scaled
+        x30 with its targets reversed (confidently wrong): crossentropies
+        read the logits there, not the clipped probabilities."""
         split = lambda tree, part: keras.tree.map_structure(lambda a: a[part], tree)  # noqa: E731
         train, val = slice(0, n), slice(n, None)
         fit = dict(x=x_all[train], y=split(y_all, train), batch_size=8, epochs=2,
                    shuffle=False, verbose=0, **more)
-        evaluate = dict(x=x_all[val], y=split(y_all, val), batch_size=8, verbose=0,
-                        return_dict=True)
+        x_val, y_val = x_all[val], split(y_all, val)
+        if saturated:
+            x_val, y_val = x_val * 30, split(y_val, slice(None, None, -1))
+        evaluate = dict(x=x_val, y=y_val, batch_size=8, verbose=0, return_dict=True)
         if w_all is None:
-            fit["validation_data"] = (x_all[val], split(y_all, val))
+            fit["validation_data"] = (x_val, y_val)
         else:
             fit["sample_weight"] = w_all[train]
-            fit["validation_data"] = (x_all[val], split(y_all, val), w_all[val])
+            fit["validation_data"] = (x_val, y_val, w_all[val])
             evaluate["sample_weight"] = w_all[val]
         return fit, evaluate
 
@@ -875,7 +820,8 @@ def matrix_cases():
     ctc_labels = rs.randint(1, 5, size=(n + n_val, 3)).astype("int32")
     class_weight = {0: 1.0, 1: 2.0, 2: 0.5, 3: 1.5}
     return {
-        "all_heads": (all_heads, arguments(x, {k: v[2] for k, v in heads.items()}, weights)),
+        "all_heads": (all_heads, arguments(x, {k: v[2] for k, v in heads.items()}, weights,
+                                           saturated=True)),
         "class_weight": (single(head(4, activation="softmax"),
                                 "sparse_categorical_crossentropy", ["accuracy"]),
                          arguments(x, labels, class_weight=class_weight)),
@@ -887,33 +833,47 @@ def matrix_cases():
     }
 
 
-def loss_matrix(mesh):
+def loss_matrix(mesh, reference_too=True):
     """`matrix_cases` on `mesh` against one device from the same weights (the
     sharded model's, which are process 0's under a launched job): one JSON
-    row per case, every history value and evaluate's relative difference."""
+    row per case, every history value and evaluate's relative difference,
+    and the sharded run's own numbers and a digest of its weights. Without
+    `reference_too`, those last only (another process of the same mesh:
+    process 0 compares; every collective call in the same order)."""
+    import hashlib
+
     for case, (build, (fit, evaluate)) in matrix_cases().items():
         sharded = kd.shard(build(), mesh, kd.LayoutMapper(mesh, min_elements=0))
-        reference = build()
-        reference.set_weights(sharded.get_weights())
-        expected = reference.fit(**fit).history
+        initial = sharded.get_weights()
         got = sharded.fit(**fit).history
-        evaluated = [m.evaluate(**evaluate) for m in (reference, sharded)]
+        row = {"case": case, "history": got}
+        if reference_too:
+            reference = build()
+            reference.set_weights(initial)
+            expected = reference.fit(**fit).history
+            row["expected_evaluate"] = reference.evaluate(**evaluate)
+        row["evaluated"] = sharded.evaluate(**evaluate)
+        weights = sharded.get_weights()
+        row["weights_digest"] = hashlib.sha256(
+            b"".join(np.ascontiguousarray(w).tobytes() for w in weights)).hexdigest()
+        if reference_too:
 
-        def relative(a, b):
-            a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
-            return float(np.max(np.abs(a - b) / np.maximum(1.0, np.abs(b))))
+            def relative(a, b):
+                a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
+                return float(np.max(np.abs(a - b) / np.maximum(1.0, np.abs(b))))
 
-        print(json.dumps({
-            "case": case, "keys": [sorted(expected), sorted(got)],
-            "evaluate_keys": [sorted(evaluated[0]), sorted(evaluated[1])],
-            "history_diff": {k: relative(got[k], expected[k]) for k in expected if k in got},
-            "evaluate_diff": {k: relative(evaluated[1][k], evaluated[0][k])
-                              for k in evaluated[0] if k in evaluated[1]},
-            "weights_diff": {
-                v.path: relative(a, b) for v, a, b in zip(
-                    reference.weights, sharded.get_weights(), reference.get_weights())},
-            "largest_weight": max(float(np.abs(w).max()) for w in reference.get_weights()),
-        }), flush=True)
+            evaluated = [row["expected_evaluate"], row["evaluated"]]
+            row.update({
+                "keys": [sorted(expected), sorted(got)],
+                "evaluate_keys": [sorted(evaluated[0]), sorted(evaluated[1])],
+                "history_diff": {k: relative(got[k], expected[k])
+                                 for k in expected if k in got},
+                "evaluate_diff": {k: relative(evaluated[1][k], evaluated[0][k])
+                                  for k in evaluated[0] if k in evaluated[1]},
+                "weights_diff": {v.path: relative(a, b) for v, a, b in zip(
+                    reference.weights, weights, reference.get_weights())},
+            })
+        print(json.dumps(row), flush=True)
 
 
 def fsdp_model(optimizer):
@@ -981,8 +941,6 @@ def run(mode, mesh, args):
         keras_layout_map(mesh)
     elif mode == "user_code":
         user_code(mesh)
-    elif mode == "logged_numbers":
-        logged_numbers(mesh)
     elif mode == "loss_matrix":
         loss_matrix(mesh)
     elif mode == "fully_sharded":
