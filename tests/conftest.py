@@ -75,6 +75,7 @@ LONGEST_FIRST = [
     "multi_worker/test_backup_jobs.py", "multi_worker/test_search_jobs.py",
     "test_benchmarks.py", "callbacks/test_backup_and_restore.py",
     "reliability/test_liveness.py", "multi_worker/test_parity_jobs.py", "test_examples.py",
+    "dtensor/test_launched_mesh.py",
     "test_distributed_model.py", "callbacks/test_callback_matrix.py", "test_doc_snippets.py",
     "tuner/test_tuner_models.py", "multi_worker/test_multi_worker.py", "test_parity.py",
     "reliability/test_interruptions.py",

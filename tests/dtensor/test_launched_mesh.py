@@ -1,0 +1,75 @@
+"""One DTensor mesh over the processes of a `keras-dist launch` job.
+
+A module of its own: its job runs beside the other DTensor goldens'
+processes (tests/dtensor/test_sharded_model.py), not after them.
+"""
+
+import json
+import re
+import sys  # noqa: F401
+
+import numpy as np
+import pytest
+
+from dtensor.test_sharded_model import MATRIX_CASES, SCRIPT, check_loss_matrix
+
+
+@pytest.mark.multi_worker
+def test_one_mesh_spans_the_processes_of_a_launched_job(tmp_path, capfd):
+    # keras-dist launch --num-workers 2, each process with 2 logical CPUs: one
+    # batch=2 x model=2 mesh over the 4 (multi-client DTensor, set up from the
+    # launcher's TF_CONFIG). No seed: each process builds other initial
+    # weights; the sharded model starts from process 0's on both.
+    import keras_dist
+
+    status = keras_dist.launch(SCRIPT, ["multiclient", "batch2_model2", str(tmp_path)],
+                               num_workers=2)
+    out = capfd.readouterr().out
+    assert status == 0, out[-4000:]
+    ranks = [np.load(tmp_path / f"rank{r}.npz") for r in (0, 1)]
+    assert [int(r["clients"]) for r in ranks] == [2, 2]
+    # Against one device started from the same weights (weights, and every
+    # epoch's loss and validation loss): momentum in float32, Adam in
+    # float64. float32 Adam amplifies summation-order noise (a near-zero
+    # gradient entry's sign), as much for one device compiled by XLA: it is
+    # held to identical weights on both processes only.
+    tolerance = {"momentum": 1e-5, "adam64": 1e-10}
+    for name in ("momentum", "adam", "adam64"):
+        assert np.abs(ranks[0][f"{name}_local_initial"]
+                      - ranks[1][f"{name}_local_initial"]).max() > 1e-3
+        np.testing.assert_array_equal(ranks[0][f"{name}_initial"], ranks[1][f"{name}_initial"])
+        for r in ranks:
+            if name in tolerance:
+                assert float(r[f"{name}_max_diff"]) < tolerance[name], name
+                assert float(r[f"{name}_logs_diff"]) < tolerance[name], name
+            # The Dense pair halved on each device; the rest replicated.
+            size = 8 if name == "adam64" else 4
+            sharded = size * (128 * 64 + 64 + 64 * 24)
+            replicated = size * (3 * 4 * 16 + 16 + 24 + 24 * 3 + 3)
+            assert r[f"{name}_bytes"].tolist() == [sharded // 2 + replicated,
+                                                   sharded + replicated]
+        weights = [k for k in ranks[0].files if k.startswith(f"{name}_w")]
+        assert len(weights) == 8, weights
+        for key in weights:
+            np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
+    # A tf.data pipeline shuffled with one seed on both processes, then
+    # evaluate and predict with a short last batch.
+    for r in ranks:
+        assert float(r["dataset_max_diff"]) < 1e-5
+        assert float(r["evaluate_diff"]) < 1e-5 and float(r["predict_diff"]) < 1e-5
+    np.testing.assert_array_equal(ranks[0]["predictions"], ranks[1]["predictions"])
+    for r in ranks:
+        assert "argument `shuffle` must be False for array input when a mesh spans " \
+               "several processes" in str(r["shuffle_error"])
+    # The loss and metric matrix on the 2-process mesh: each worker's rows.
+    printed = {0: [], 1: []}
+    for line in out.splitlines():
+        match = re.match(r"\[worker (\d)\] (\{.*\})$", line)
+        if match:
+            printed[int(match.group(1))].append(json.loads(match.group(2)))
+    check_loss_matrix(printed[0])  # process 0 against one device
+    # Process 1 logged the same numbers and holds the same weights.
+    assert [r["case"] for r in printed[1]] == MATRIX_CASES
+    for mine, theirs in zip(printed[0], printed[1], strict=True):
+        for key in ("history", "evaluated", "weights_digest"):
+            assert mine[key] == theirs[key], (mine["case"], key)
