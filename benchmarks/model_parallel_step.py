@@ -64,7 +64,8 @@ def run(args) -> dict:
     largest = {"replicated": 80e9 / 12, "fully sharded over 4": 80e9 / (12 * state_share)}
     return {
         "id": 6, "name": "model_parallel_step",
-        "title": "LayoutMapper (DTensor tensor parallelism) vs data parallelism, 4 devices",
+        "title": "LayoutMapper (tensor parallelism) and FullySharded vs data parallelism, "
+                 "4 devices",
         "setup": (
             f"4 logical CPUs on {os.cpu_count()} cores; MLP 64-1024-1024-10 ({params:,} "
             f"parameters) on digits, Adam, global batch 256, {steps} steps per epoch, "
