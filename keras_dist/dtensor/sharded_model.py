@@ -629,10 +629,14 @@ def _make_steps(model, layouts, dmesh, split_batch: bool, gathered=frozenset()) 
         ]
         with keras.StatelessScope(state_mapping=list(zip(to_gather, values))) as scope:
             result = forward()
-        for variable in model.weights:
+        # What the forward pass assigned (moving statistics, the seed
+        # generators' states: `variables`, not only `weights`), kept.
+        for variable in model.variables:
             value = scope.get_current_value(variable)
             if value is not None and all(value is not v for v in values):
-                variable.assign(dtensor.relayout(value, layouts[variable.path]))
+                layout = layouts.get(variable.path) or dtensor.Layout.replicated(
+                    dmesh, len(variable.shape))
+                variable.assign(dtensor.relayout(value, layout))
         return result
 
     def split(structure):

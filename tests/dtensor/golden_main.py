@@ -920,6 +920,28 @@ def fully_sharded(size):
                                          - reference.predict(x, 8, verbose=0)).max()),
             "bytes": sharded.bytes_per_device(),
         }), flush=True)
+    # Dropout under FullySharded: the seed generator's state advances once
+    # per step, as on one device (each step draws a new mask).
+    def dropout_model():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, name="up"),
+                                  keras.layers.Dropout(0.5), keras.layers.Dense(4)])
+        model.compile(OPTIMIZERS["momentum"](), "mse")
+        return model
+
+    def seed_states(variables):
+        return [np.asarray(v.value if hasattr(v, "value") else v).tolist()
+                for v in variables if "seed_generator_state" in v.path]
+
+    reference = dropout_model()
+    sharded = kd.shard(reference, mesh, kd.FullySharded(min_elements=256))
+    before = seed_states(sharded.__keras_dist_backup_variables__()["model"])
+    xd, yd = rs.randn(32, 16).astype("float32"), rs.randn(32, 4).astype("float32")
+    for model in (sharded, reference):
+        model.fit(xd, yd, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    print(json.dumps({"dropout": True, "size": size, "before": before,
+                      "after": seed_states(sharded.__keras_dist_backup_variables__()["model"]),
+                      "one_device_after": seed_states(reference.variables)}), flush=True)
 
 
 def run(mode, mesh, args):

@@ -350,7 +350,13 @@ def test_fully_sharded_splits_weights_and_slots_and_trains_as_one_device(runs, s
     # the small ones replicated; momentum and Adam train to one device's
     # weights, log its numbers and predict as it does.
     rows = rows_of(runs[0][f"fully_sharded/{'model2' if size == 2 else 'model4'}"])
+    *rows, dropout = rows
     assert [r["optimizer"] for r in rows] == ["momentum", "adam"]
+    # Dropout: the seed generator's counter advanced by the 4 steps, as on
+    # one device (a new mask each step, not the first one again; the seed
+    # itself is the copy's own: masks differ from one device's, as documented).
+    draws = [after[1] - before[1] for before, after in zip(dropout["before"], dropout["after"])]
+    assert draws == [state[1] for state in dropout["one_device_after"]] == [4], dropout
     split = {"emb/embeddings": ["batch", "unsharded"],
              "conv/kernel": ["unsharded", "batch", "unsharded"],
              "fc/kernel": ["batch", "unsharded"],
