@@ -664,7 +664,8 @@ def _make_steps(model, layouts, dmesh, split_batch: bool, gathered=frozenset()) 
             # expansion of a loss's own ops failed on outputs sharded over
             # "model" (OneHot: "non-broadcastable operands") and over
             # "batch" (CTC's ScatterNd: "operand #1 does not dominate").
-            seen = _keras_compat.with_logits(whole(y_pred), whole(logits), form)
+            y_pred, logits = whole(y_pred), whole(logits)  # also what the step returns
+            seen = _keras_compat.with_logits(y_pred, logits, form)
             loss = model.compute_loss(x=x, y=y, y_pred=seen,
                                       sample_weight=sample_weight, training=True)
             return y_pred, logits, form, loss
@@ -689,7 +690,7 @@ def _make_steps(model, layouts, dmesh, split_batch: bool, gathered=frozenset()) 
             dtensor.relayout(g, layouts[v.path])
             for g, v in zip(gradients, model.trainable_variables)
         ]
-        return whole(loss), whole(y_pred), whole(logits), gradients
+        return whole(loss), y_pred, logits, gradients
 
     # The update runs in its own function: inside the one that computes the
     # gradients, with batch-sharded inputs, Keras' momentum and Adam updates
