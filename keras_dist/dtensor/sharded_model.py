@@ -104,7 +104,7 @@ class ShardedModel(keras.Model):
         compile_config = model.get_compile_config()
         self._kd = _Shards(None, mesh, dmesh, by_source_path)
         # FullySharded: the variables split over the data-parallel axis,
-        # gathered before each forward pass (source paths, then the copy's).
+        # gathered before each forward pass (the copy's paths, below).
         gathered = set()
         if isinstance(layout_map, FullySharded):
             gathered = {p for p, axes in axes_by_path.items() if layout_map.axis in axes}
@@ -634,8 +634,9 @@ def _make_steps(model, layouts, dmesh, split_batch: bool, gathered=frozenset()) 
         for variable in model.variables:
             value = scope.get_current_value(variable)
             if value is not None and all(value is not v for v in values):
-                layout = layouts.get(variable.path) or dtensor.Layout.replicated(
-                    dmesh, len(variable.shape))
+                layout = layouts.get(variable.path)  # none for a seed generator's state
+                if layout is None:
+                    layout = dtensor.Layout.replicated(dmesh, len(variable.shape))
                 variable.assign(dtensor.relayout(value, layout))
         return result
 
