@@ -25,7 +25,8 @@ def run_workers(
     AssertionError showing every worker's output when any worker fails or
     the job times out. With `check=False` it returns `(exit codes,
     outputs)` instead, stopping the others once one worker has exited with
-    an error (as a launcher would).
+    an error (as a launcher would): after up to 15 s for an exit code (a
+    preempted job exits on every worker), at once for a signal.
     """
     ports = loopback_ports(num_workers)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
@@ -58,9 +59,12 @@ def run_workers(
             codes = [p.poll() for p in procs]
             if any(c not in (None, 0) for c in codes):
                 failed = "a worker exited with an error"
-                if not check:
+                if not check and not any(c is not None and c < 0 for c in codes):
                     # Give the others a moment to finish on their own (a
                     # preempted job exits on every worker), then stop them.
+                    # A worker killed by a signal (SIGKILL) leaves its peers
+                    # waiting in a collective that cannot finish: they are
+                    # stopped at once (measured: they waited out all 15 s).
                     grace = time.monotonic() + 15
                     while any(p.poll() is None for p in procs) and time.monotonic() < grace:
                         time.sleep(0.2)
