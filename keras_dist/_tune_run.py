@@ -25,6 +25,7 @@ themselves; the chief's progress line is printed for every tuner.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import runpy
 import shutil
@@ -87,6 +88,16 @@ def _report_trials(start_server):
         return start_server(oracle, *args, **kwargs)
 
     return serve
+
+
+def _plain_server(serve):
+    """`oracle_chief.start_server(oracle)` for a plain keras-tuner script."""
+
+    @functools.wraps(serve)
+    def start_server(oracle):
+        return serve(oracle, worker_timeout=math.inf)
+
+    return start_server
 
 
 def _save(oracle) -> None:
@@ -181,7 +192,11 @@ def _prepare(role: str, in_group: bool) -> None:
     if role == "chief":
         from keras_dist.tuner import _oracle
 
-        kt.oracle_chief.start_server = _report_trials(kt.oracle_chief.start_server)
+        # A plain keras-tuner script's chief: keras-tuner's servicer, served
+        # by our loop, which sees the end of the search within 0.2 s
+        # (keras-tuner's sleeps 20 s at a time once told to stop). No worker
+        # is reaped: plain keras-tuner workers send nothing while they train.
+        kt.oracle_chief.start_server = _report_trials(_plain_server(_oracle.serve))
         _oracle.serve = _report_trials(_oracle.serve)
         kt.BaseTuner.__init__ = _prepare_chief(kt.BaseTuner.__init__)
     else:
