@@ -163,14 +163,17 @@ class _LazyDataset:
     where Keras drops them, as in Keras.
     """
 
-    def __init__(self, dataset, made, cursor=None, background_release=False):
+    def __init__(self, dataset, made, cursor=None, background_release=False, lazy=True):
         self._dataset = dataset
         self._made = made  # a WeakSet: the iterators handed out by this call
         self._cursor = cursor
         self._background_release = background_release
+        self._lazy = lazy
 
     def __iter__(self):
         iterator = _LazyIterator(self._dataset, self._cursor, self._background_release)
+        if not self._lazy:
+            iterator.materialize()
         self._made.add(iterator)
         return iterator
 
@@ -216,7 +219,8 @@ def _tensorflow_fed(adapter) -> bool:
 
 
 @contextlib.contextmanager
-def lean_epoch_iterators(cursor=None, full_batches: bool = False):
+def lean_epoch_iterators(cursor=None, full_batches: bool = False,
+                         background_release: bool | None = None, lazy: bool = True):
     """Keras' epoch iterators without their per-epoch and per-step waste.
 
     While open, every `TFEpochIterator` Keras makes (the input of `fit`,
@@ -235,6 +239,16 @@ def lean_epoch_iterators(cursor=None, full_batches: bool = False):
       without partial-batch handling, which under multi-worker training
       costs one cross-worker all-reduce per step ("has any worker data
       left?", `input_lib._calculate_replicas_with_values`).
+
+    - `background_release`: whether dropped iterators are torn down on the
+      release thread (input TensorFlow alone produces only, see
+      `_LazyDataset`). None: under multi-worker training. True also serves
+      a sharded model: after its DTensor steps, tearing down an epoch's
+      iterator blocked for 100-200 ms (50-650 ms per fit call).
+    - `lazy=False`: every iterator Keras asks for is created at once, as in
+      Keras (its spare ones included): a pipeline that reshuffles with a
+      seed orders each pass by how many iterators were created before, so
+      a model compared with plain Keras must create as many.
 
     When the call ends, normally or by an exception, every iterator it made
     that is still alive is torn down. An exception raised through Keras'
@@ -264,8 +278,10 @@ def lean_epoch_iterators(cursor=None, full_batches: bool = False):
             self._distributed_dataset,
             made,
             cursor if first else None,
-            background_release=is_multi_worker(strategy)
+            background_release=(is_multi_worker(strategy) if background_release is None
+                                else background_release)
             and _tensorflow_fed(self.data_adapter),
+            lazy=lazy,
         )
 
     keras_tf_trainer.TFEpochIterator.__init__ = init

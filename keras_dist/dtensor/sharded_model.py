@@ -191,7 +191,12 @@ class ShardedModel(keras.Model):
                 "pipeline shuffled with the same seed on every process."
             )
         try:
-            return super().fit(x, y, batch_size, epochs, verbose, callbacks, **kwargs)
+            # Each epoch's iterator torn down off the training thread (after
+            # sharded steps a teardown blocked for 100-200 ms), each created
+            # when Keras creates it (a seeded reshuffle orders each pass by
+            # how many were created before: as in plain Keras).
+            with _keras_compat.lean_epoch_iterators(background_release=True, lazy=False):
+                return super().fit(x, y, batch_size, epochs, verbose, callbacks, **kwargs)
         finally:
             self._refresh_mirror()
 
@@ -201,7 +206,8 @@ class ShardedModel(keras.Model):
         if not kwargs.get("_use_cached_eval_dataset", False):
             self._check_data("evaluate", x, y, batch_size, needs_y=True)
         self._refresh_mirror()  # weight regularizers read the mirror
-        return super().evaluate(x, y, batch_size, *args, **kwargs)
+        with _keras_compat.lean_epoch_iterators(background_release=True, lazy=False):
+            return super().evaluate(x, y, batch_size, *args, **kwargs)
 
     def predict(self, x, batch_size=None, *args, **kwargs):
         """`keras.Model.predict`, gathered on the host (any number of samples)."""

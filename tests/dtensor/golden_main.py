@@ -655,6 +655,39 @@ def user_code(mesh):
         }), flush=True)
 
 
+def iterators(mesh):
+    """Keras' per-epoch iterators of a sharded fit: a Python generator's torn
+    down where Keras drops it (on another thread its teardown can hang), a
+    tf.data pipeline's and arrays' on the release thread (a teardown after
+    sharded steps blocked for 100-200 ms). One JSON line."""
+    from keras_dist._keras_compat import iterators as compat_iterators
+
+    x, y = data("mlp")
+    sharded = kd.shard(build("mlp", keras.optimizers.SGD(0.05)), mesh,
+                       kd.LayoutMapper(mesh, min_elements=0))
+
+    def generator():
+        while True:
+            for start in range(0, len(x), 8):
+                yield x[start:start + 8], y[start:start + 8]
+
+    queued = []  # the iterators handed to the release thread
+    release_later = compat_iterators._release_later
+    compat_iterators._release_later = lambda it: (queued.append(1), release_later(it))
+    row = {}
+    for name, inputs, arguments in (
+        ("generator", (generator(),), {"steps_per_epoch": len(x) // 8}),
+        ("tf.data", (tf.data.Dataset.from_tensor_slices((x, y)).batch(8),), {}),
+        ("arrays", (x, y), {"batch_size": 8}),
+    ):
+        queued.clear()
+        history = sharded.fit(*inputs, epochs=2, verbose=0, **arguments).history
+        row[name] = {"losses": history["loss"], "released_in_background": len(queued)}
+    compat_iterators._release_later = release_later
+    row["all_released"] = compat_iterators.wait_for_released_iterators(timeout=60)
+    print(json.dumps(row), flush=True)
+
+
 def errors(mesh, directory):
     """Each bad argument's message, raised before any work (one JSON line)."""
     x, y = classification_data()
@@ -981,6 +1014,8 @@ def run(mode, mesh, args):
         save(mesh, args[0])
     elif mode == "load":
         load(mesh, args[0])
+    elif mode == "iterators":
+        iterators(mesh)
     elif mode == "errors":
         errors(mesh, args[0])
     else:

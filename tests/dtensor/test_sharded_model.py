@@ -7,6 +7,7 @@ hung on a 4-device one.
 """
 
 import json
+import math
 import os
 import pathlib
 import sys
@@ -58,7 +59,7 @@ def runs(tmp_path_factory):
     done = run_concurrently({
         # First: the processes that read the references wait for its rows.
         "model2": [sys.executable, SCRIPT, "steps", "model2", f"golden=write:{references}",
-                   "loss_matrix", "fully_sharded=2"],
+                   "loss_matrix", "fully_sharded=2", "iterators"],
         "batch2_model2": [sys.executable, SCRIPT, "steps", "batch2_model2", f"save={saved}",
                           f"golden=read:{references}", "layout_map", "user_code",
                           "loss_matrix", f"callbacks={callbacks}",
@@ -340,6 +341,19 @@ def test_models_written_the_ordinary_ways_shard_and_match_one_device(runs):
         assert row["logs_diff"] < 1e-5 and row["evaluate_diff"] < 1e-5, row
         assert row["predict_diff"] < 1e-5, row
     assert rows[0]["log_keys"][1] == ["cls_accuracy", "cls_loss", "loss", "reg_loss"]
+
+
+def test_epoch_iterators_are_torn_down_off_the_training_thread_when_safe(runs):
+    # A generator's iterators are torn down where Keras drops them; a tf.data
+    # pipeline's and arrays' (2 epochs: each epoch's, and the spare one
+    # Keras makes at the end of each) go to the release thread, and every
+    # one is released.
+    row = rows_of(runs[0]["iterators"])[0]
+    got = [row[k]["released_in_background"] for k in ("generator", "tf.data", "arrays")]
+    assert got[0] == 0 and got[1] >= 2 and got[2] >= 2, row
+    for name in ("generator", "tf.data", "arrays"):
+        assert len(row[name]["losses"]) == 2 and all(map(math.isfinite, row[name]["losses"]))
+    assert row["all_released"] is True
 
 
 @pytest.mark.parametrize("size", [2, 4])
