@@ -21,6 +21,8 @@ from keras.src.trainers.data_adapters import (
     tf_dataset_adapter as keras_tf_dataset_adapter,
 )
 
+from keras_dist._keras_compat.distribute import is_multi_worker
+
 
 class _LazyIterator:
     """An iterator over a `DistributedDataset`, created on first use.
@@ -152,9 +154,7 @@ class _LazyDataset:
     `background_release`: tear down dropped iterators on a background thread.
     Under multi-worker training, tearing down a distributed iterator that a
     train function used blocks for 1-6 s (measured at every epoch
-    boundary); on one process with 4 replicas, 140-450 ms per fit call; on
-    a DTensor mesh after sharded steps, 100-200 ms per iterator. Off the
-    training thread, training goes on. Only for input
+    boundary); off the training thread, training goes on. Only for input
     that TensorFlow alone produces (`_tensorflow_fed`): the teardown holds
     Python's lock while it waits for the input's prefetch thread, and a
     prefetch thread that calls Python (a `PyDataset`, a generator,
@@ -219,7 +219,8 @@ def _tensorflow_fed(adapter) -> bool:
 
 
 @contextlib.contextmanager
-def lean_epoch_iterators(cursor=None, full_batches: bool = False, lazy: bool = True):
+def lean_epoch_iterators(cursor=None, full_batches: bool = False,
+                         background_release: bool | None = None, lazy: bool = True):
     """Keras' epoch iterators without their per-epoch and per-step waste.
 
     While open, every `TFEpochIterator` Keras makes (the input of `fit`,
@@ -239,9 +240,11 @@ def lean_epoch_iterators(cursor=None, full_batches: bool = False, lazy: bool = T
       costs one cross-worker all-reduce per step ("has any worker data
       left?", `input_lib._calculate_replicas_with_values`).
 
-    - Dropped iterators of input that TensorFlow alone produces are torn
-      down on the release thread (see `_LazyDataset`), whatever the
-      strategy or mesh; others where Keras drops them.
+    - `background_release`: whether dropped iterators are torn down on the
+      release thread (input TensorFlow alone produces only, see
+      `_LazyDataset`). None: under multi-worker training. True also serves
+      a sharded model: after its DTensor steps, tearing down an epoch's
+      iterator blocked for 100-200 ms (50-650 ms per fit call).
     - `lazy=False`: every iterator Keras asks for is created at once, as in
       Keras (its spare ones included): a pipeline that reshuffles with a
       seed orders each pass by how many iterators were created before, so
@@ -275,7 +278,9 @@ def lean_epoch_iterators(cursor=None, full_batches: bool = False, lazy: bool = T
             self._distributed_dataset,
             made,
             cursor if first else None,
-            background_release=_tensorflow_fed(self.data_adapter),
+            background_release=(is_multi_worker(strategy) if background_release is None
+                                else background_release)
+            and _tensorflow_fed(self.data_adapter),
             lazy=lazy,
         )
 

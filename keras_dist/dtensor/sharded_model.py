@@ -195,7 +195,7 @@ class ShardedModel(keras.Model):
             # sharded steps a teardown blocked for 100-200 ms), each created
             # when Keras creates it (a seeded reshuffle orders each pass by
             # how many were created before: as in plain Keras).
-            with _keras_compat.lean_epoch_iterators(lazy=False):
+            with _keras_compat.lean_epoch_iterators(background_release=True, lazy=False):
                 return super().fit(x, y, batch_size, epochs, verbose, callbacks, **kwargs)
         finally:
             self._refresh_mirror()
@@ -206,7 +206,7 @@ class ShardedModel(keras.Model):
         if not kwargs.get("_use_cached_eval_dataset", False):
             self._check_data("evaluate", x, y, batch_size, needs_y=True)
         self._refresh_mirror()  # weight regularizers read the mirror
-        with _keras_compat.lean_epoch_iterators(lazy=False):
+        with _keras_compat.lean_epoch_iterators(background_release=True, lazy=False):
             return super().evaluate(x, y, batch_size, *args, **kwargs)
 
     def predict(self, x, batch_size=None, *args, **kwargs):
