@@ -420,7 +420,7 @@ class DistributedModel(keras.Model):
             # Generators and PyDatasets cannot be positioned: nothing to count.
             counted = cursor if cursor.kind in ("arrays", "dataset") else None
             with _scope(strategy), _keras_compat.lean_epoch_iterators(
-                counted, full_batches=full_batches
+                counted, full_batches=full_batches, own_input=dataset is not None
             ):
                 return super().fit(
                     x=x,

@@ -380,6 +380,35 @@ def _tf_data():
     return build, train
 
 
+@case("seeded_reshuffle", "a `tf.data` pipeline that reshuffles each pass with a seed "
+      "(`shuffle(seed=...)`, `sample_from_datasets(seed=...)`), for training "
+      "and validation, over two `fit` calls: the same order every epoch as "
+      "one device")
+def _seeded_reshuffle():
+    build = functional_mlp
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", metrics=["mae"])
+        x, y = data()
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(N, seed=7).batch(BATCH)
+        mixed = tf.data.Dataset.sample_from_datasets(
+            [tf.data.Dataset.from_tensor_slices((x[:32], y[:32])),
+             tf.data.Dataset.from_tensor_slices((x[32:], y[32:]))],
+            seed=3, rerandomize_each_iteration=True,
+        ).batch(BATCH)
+        val = tf.data.Dataset.from_tensor_slices((x[:40], y[:40])).shuffle(
+            40, seed=5).batch(8)
+        out = fit_eval_predict(model, x, y, fit_x=ds, fit_y=None, epochs=3,
+                               validation_data=val)
+        h = model.fit(ds, epochs=2, verbose=0)
+        out.update({f"second/{k}": v for k, v in history(h).items()})
+        h = model.fit(mixed, epochs=3, verbose=0)
+        out.update({f"mixed/{k}": v for k, v in history(h).items()})
+        return out
+
+    return build, train
+
+
 @case("py_dataset", "`keras.utils.PyDataset` input")
 def _py_dataset():
     build = functional_mlp

@@ -195,12 +195,7 @@ def _tensorflow_fed(adapter) -> bool:
         return True
     if not isinstance(adapter, keras_tf_dataset_adapter.TFDatasetAdapter):
         return False  # a PyDataset, a generator, a torch or grain loader
-    seen, pending = set(), [adapter.get_tf_dataset()]
-    while pending:
-        dataset = pending.pop()
-        if id(dataset) in seen:
-            continue
-        seen.add(id(dataset))
+    for dataset in _datasets_of(adapter):
         for value in vars(dataset).values():
             # A transformation's function (map, flat_map, filter, ...).
             function = getattr(value, "function", None)
@@ -214,13 +209,46 @@ def _tensorflow_fed(adapter) -> bool:
                     ops.update(node.op for node in function.node_def)
                 if ops & _PYTHON_OPS:
                     return False
-        pending.extend(dataset._inputs())
     return True
+
+
+def _datasets_of(adapter):
+    """Every `tf.data.Dataset` in the pipeline an adapter hands Keras."""
+    seen, pending = set(), [adapter.get_tf_dataset()]
+    while pending:
+        dataset = pending.pop()
+        if id(dataset) in seen:
+            continue
+        seen.add(id(dataset))
+        yield dataset
+        pending.extend(dataset._inputs())
+
+
+def _reorders_each_pass(adapter) -> bool:
+    """Whether an input's order depends on how many iterators were made.
+
+    A seeded `shuffle` that reshuffles each pass, a seeded
+    `Dataset.random` or `sample_from_datasets` that rerandomizes each pass:
+    each new iterator takes the next draw of the dataset's seed generator,
+    created or not used. (Unseeded, every pass is random anyway.)
+    """
+    if not isinstance(adapter, keras_tf_dataset_adapter.TFDatasetAdapter):
+        return False
+    for dataset in _datasets_of(adapter):
+        if not (getattr(dataset, "_reshuffle_each_iteration", False)
+                or getattr(dataset, "_rerandomize", False)):
+            continue
+        seeds = [tf.get_static_value(getattr(dataset, name, None))
+                 for name in ("_seed", "_seed2")]
+        if any(seed is None or int(seed) != 0 for seed in seeds):
+            return True
+    return False
 
 
 @contextlib.contextmanager
 def lean_epoch_iterators(cursor=None, full_batches: bool = False,
-                         background_release: bool | None = None, lazy: bool = True):
+                         background_release: bool | None = None,
+                         lazy: bool | None = None, own_input: bool = False):
     """Keras' epoch iterators without their per-epoch and per-step waste.
 
     While open, every `TFEpochIterator` Keras makes (the input of `fit`,
@@ -246,9 +274,14 @@ def lean_epoch_iterators(cursor=None, full_batches: bool = False,
       a sharded model: after its DTensor steps, tearing down an epoch's
       iterator blocked for 100-200 ms (50-650 ms per fit call).
     - `lazy=False`: every iterator Keras asks for is created at once, as in
-      Keras (its spare ones included): a pipeline that reshuffles with a
-      seed orders each pass by how many iterators were created before, so
-      a model compared with plain Keras must create as many.
+      Keras (its spare ones included). None: so for an input whose order
+      depends on how many iterators were created on it before (a pipeline
+      that reshuffles each pass with a seed, `_reorders_each_pass`), where
+      skipping Keras' spare iterator would train other orders than Keras;
+      lazily otherwise.
+    - `own_input=True`: the call's input is keras_dist's own array input
+      (`_data.array_dataset`), ordered by the count of iterators created on
+      it (`cursor`), not by Keras' count: created lazily.
 
     When the call ends, normally or by an exception, every iterator it made
     that is still alive is torn down. An exception raised through Keras'
@@ -281,7 +314,7 @@ def lean_epoch_iterators(cursor=None, full_batches: bool = False,
             background_release=(is_multi_worker(strategy) if background_release is None
                                 else background_release)
             and _tensorflow_fed(self.data_adapter),
-            lazy=lazy,
+            lazy=_lazy(lazy, first and own_input, self.data_adapter),
         )
 
     keras_tf_trainer.TFEpochIterator.__init__ = init
@@ -291,6 +324,12 @@ def lean_epoch_iterators(cursor=None, full_batches: bool = False,
         keras_tf_trainer.TFEpochIterator.__init__ = original
         for iterator in list(made):
             iterator.release()
+
+
+def _lazy(lazy: bool | None, own_input: bool, adapter) -> bool:
+    if lazy is not None:
+        return lazy
+    return own_input or not _reorders_each_pass(adapter)
 
 
 _PARTIAL_BATCHES = "experimental_enable_get_next_as_optional"
@@ -325,6 +364,10 @@ INTERNALS = {
     "keras.src.trainers.data_adapters.array_data_adapter": ("ArrayDataAdapter",),
     "keras.src.trainers.data_adapters.tf_dataset_adapter": ("TFDatasetAdapter",),
     "tensorflow.python.data.ops.dataset_ops.DatasetV2": ("_inputs",),
+    "tensorflow.python.data.ops.shuffle_op (source)": (
+        "_reshuffle_each_iteration", "_seed", "_seed2",
+    ),
+    "tensorflow.python.data.ops.random_op (source)": ("_rerandomize", "_seed", "_seed2"),
 }
 """The private Keras/TF symbols this module uses, by owner (merged into
 `keras_dist._keras_compat.INTERNALS`, which tests/test_keras_compat.py pins)."""
