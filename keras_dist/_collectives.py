@@ -188,6 +188,28 @@ def agreed_seed(strategy: tf.distribute.Strategy) -> int:
     return agree_sum(strategy, [local if is_chief(strategy) else 0])[0]
 
 
+def agreed_global_seed(strategy: tf.distribute.Strategy, seed: int | None) -> int | None:
+    """`seed` (this worker's TensorFlow global seed, or None) if every
+    worker has that same one, else None (one collective under multi-worker
+    training).
+
+    Each worker contributes 1, whether its seed is set, and each 21-bit
+    chunk `c` of the seed with `c * c`: the chunks of N workers are all
+    equal exactly when (sum of c)^2 = N * (sum of c^2).
+    """
+    if not is_multi_worker(strategy):
+        return seed
+    value = 0 if seed is None else int(seed) % 2**63
+    chunks = [(value >> shift) & (2**21 - 1) for shift in (0, 21, 42)]
+    local = [1, seed is not None]
+    for chunk in chunks:
+        local += [chunk, chunk * chunk]
+    total = agree_sum(strategy, local)
+    workers, seeded = total[0], total[1]
+    equal = all(total[i] ** 2 == workers * total[i + 1] for i in (2, 4, 6))
+    return seed if seeded == workers and equal else None
+
+
 def broadcast_from_chief(strategy: tf.distribute.Strategy):
     """A function `vector -> numpy vector` that every worker calls together.
 

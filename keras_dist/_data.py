@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import _collectives
+from keras_dist import _collectives, _keras_compat
 
 _KERAS_DEFAULT_BATCH_SIZE = 32
 
@@ -176,19 +176,27 @@ def input_kind(x) -> str:
     return "other"
 
 
-def array_dataset(strategy, x, y, sample_weight, batch_size, shuffle, seed):
+def num_samples(x) -> int:
+    return int(tf.nest.flatten(x)[0].shape[0])
+
+
+def array_dataset(strategy, x, y, sample_weight, batch_size, shuffle, seed, order=None):
     """Turns in-memory arrays into a dataset with a reproducible order.
 
     Each pass is shuffled with `seed` and the number of passes started
     before (`reshuffle_each_iteration`), so a resumed run that recreates as
-    many iterators sees the same order. Under `MultiWorkerMirroredStrategy`
+    many iterators sees the same order; or, given `order` (the sample
+    indices in Keras' order, `_keras_compat.keras_shuffle_order`), every
+    pass takes them in that order. Under `MultiWorkerMirroredStrategy`
     each worker keeps its own share of every global batch (auto-shard policy
-    DATA), which is exact because every worker uses the agreed seed.
+    DATA), which is exact because every worker uses the agreed seed (or
+    order).
 
     Keras' own adapter is kept (None is returned) for unshuffled arrays on
     one worker, and for non-array inputs. Keras 3.15's adapter draws the same
-    permutation every epoch once `keras.utils.set_random_seed` is called, and
-    a different, unrecorded one per worker otherwise.
+    permutation every epoch once `keras.utils.set_random_seed` is called
+    (that one is `order`: the run one device gives), and a different,
+    unrecorded one per worker otherwise.
     """
     multi_worker = _collectives.is_multi_worker(strategy)
     if not shuffle and not multi_worker:
@@ -212,10 +220,14 @@ def array_dataset(strategy, x, y, sample_weight, batch_size, shuffle, seed):
         tf.convert_to_tensor, keras.tree.lists_to_tuples(data)
     )
     indices = tf.data.Dataset.range(num_samples)
-    if shuffle:
-        indices = indices.shuffle(
-            num_samples, seed=seed, reshuffle_each_iteration=True
-        )
+    if order is not None:
+        indices = tf.data.Dataset.from_tensor_slices(tf.constant(order, tf.int64))
+    elif shuffle:
+        # The agreed seed alone: a worker's own global seed left out.
+        with _keras_compat.without_global_seed():
+            indices = indices.shuffle(
+                num_samples, seed=seed, reshuffle_each_iteration=True
+            )
     dataset = indices.batch(batch_size).map(
         lambda i: tf.nest.map_structure(lambda t: tf.gather(t, i), tensors),
         num_parallel_calls=tf.data.AUTOTUNE,

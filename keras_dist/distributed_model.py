@@ -478,12 +478,20 @@ class DistributedModel(keras.Model):
         cursor = session.cursor
         if cursor.kind != "arrays":
             return x, y, sample_weight, None
-        seed = None
+        seed = order = None
         if shuffle and shuffle != "batch":
-            seed = session.resume.seed if session.resume is not None else None
-            seed = seed or _collectives.agreed_seed(session.strategy)
+            # With TensorFlow's global seed set (on every worker), Keras'
+            # own order: one device's run is reproduced exactly.
+            global_seed = _collectives.agreed_global_seed(
+                session.strategy, _keras_compat.tensorflow_global_seed()
+            )
+            if global_seed is not None:
+                order = _keras_compat.keras_shuffle_order(_data.num_samples(x))
+            else:
+                seed = session.resume.seed if session.resume is not None else None
+                seed = seed or _collectives.agreed_seed(session.strategy)
         dataset = _data.array_dataset(
-            session.strategy, x, y, sample_weight, batch_size, shuffle, seed
+            session.strategy, x, y, sample_weight, batch_size, shuffle, seed, order
         )
         if dataset is None and shuffle:
             cursor.kind = "other"  # Keras' own, unrecorded shuffle

@@ -16,6 +16,7 @@ a 2-worker job (tests/multi_worker/parity_main.py).
 from __future__ import annotations
 
 import os
+import random
 import tempfile
 
 import keras
@@ -404,6 +405,32 @@ def _seeded_reshuffle():
         out.update({f"second/{k}": v for k, v in history(h).items()})
         h = model.fit(mixed, epochs=3, verbose=0)
         out.update({f"mixed/{k}": v for k, v in history(h).items()})
+        return out
+
+    return build, train
+
+
+@case("seeded_shuffle", "`keras.utils.set_random_seed` then `fit` with its default "
+      "`shuffle=True` (and `validation_split`, two `fit` calls): Keras' own order, "
+      "and the random draws after it (Python, NumPy, TensorFlow, `keras.random`) "
+      "as one device leaves them")
+def _seeded_shuffle():
+    build = functional_mlp
+
+    def train(model):
+        keras.utils.set_random_seed(1234)
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", metrics=["mae"])
+        x, y = data()
+        h = model.fit(x, y, batch_size=BATCH, epochs=3, validation_split=0.25, verbose=0)
+        out = history(h)
+        h = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+        out.update({f"second/{k}": v for k, v in history(h).items()})
+        out["evaluate"] = np.asarray(model.evaluate(x, y, batch_size=BATCH, verbose=0))
+        out["predict/0"] = np.asarray(model.predict(x, batch_size=BATCH, verbose=0))
+        out["draws/python"] = np.asarray(random.random())
+        out["draws/numpy"] = np.asarray(np.random.rand(3))
+        out["draws/tensorflow"] = np.asarray(tf.random.uniform([3]))
+        out["draws/keras"] = np.asarray(keras.random.uniform([3]))
         return out
 
     return build, train

@@ -84,9 +84,12 @@ from keras_dist._keras_compat.distribute import (  # noqa: F401 (the one door)
     set_model_strategy,
 )
 from keras_dist._keras_compat.iterators import (  # noqa: F401 (the one door)
+    keras_shuffle_order,
     lean_epoch_iterators,
     materialize,
+    tensorflow_global_seed,
     wait_for_released_iterators,
+    without_global_seed,
 )
 from keras_dist._keras_compat.layers import (  # noqa: F401 (the one door)
     attention_projections,

@@ -14,12 +14,14 @@ import sys
 import threading
 import weakref
 
+import numpy as np
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.trainers.data_adapters import array_data_adapter as keras_array_adapter
 from keras.src.trainers.data_adapters import (
     tf_dataset_adapter as keras_tf_dataset_adapter,
 )
+from tensorflow.python.eager import context as tf_context
 
 from keras_dist._keras_compat.distribute import is_multi_worker
 
@@ -326,6 +328,46 @@ def lean_epoch_iterators(cursor=None, full_batches: bool = False,
             iterator.release()
 
 
+def tensorflow_global_seed() -> int | None:
+    """TensorFlow's global seed (`keras.utils.set_random_seed`,
+    `tf.random.set_seed`), or None; read without drawing an op seed."""
+    return tf_context.global_seed()
+
+
+@contextlib.contextmanager
+def without_global_seed():
+    """While open, a `tf.data` op given its own seed ignores TensorFlow's
+    global seed (as if none were set: TensorFlow's default graph seed and
+    the op's), so workers with different global seeds build the same
+    shuffle from an agreed seed. Nothing is drawn from the seed's state.
+    """
+    context = tf_context.context()
+    saved = context._seed
+    context._seed = None
+    try:
+        yield
+    finally:
+        context._seed = saved
+
+
+def keras_shuffle_order(num_samples: int) -> np.ndarray:
+    """The order Keras' own array input trains `num_samples` samples in
+    with `shuffle=True` while TensorFlow's global seed is set.
+
+    Keras' array adapter draws each pass's permutation with
+    `tf.random.shuffle` inside its `tf.data` pipeline, whose op seed then
+    comes from the global seed and the pipeline's own graph: every pass and
+    every `fit` call draws the same permutation, in any process with that
+    seed. Read from Keras' own adapter over the sample indices.
+    """
+    adapter = keras_array_adapter.ArrayDataAdapter(
+        np.arange(num_samples, dtype="int64"), batch_size=max(num_samples, 1), shuffle=True
+    )
+    for batch in adapter.get_tf_dataset().take(1):
+        return batch.numpy()
+    return np.zeros((0,), "int64")
+
+
 def _lazy(lazy: bool | None, own_input: bool, adapter) -> bool:
     if lazy is not None:
         return lazy
@@ -362,6 +404,14 @@ INTERNALS = {
         "_calculate_replicas_with_values",
     ),
     "keras.src.trainers.data_adapters.array_data_adapter": ("ArrayDataAdapter",),
+    "keras.src.trainers.data_adapters.array_data_adapter.ArrayDataAdapter": (
+        "get_tf_dataset",
+    ),
+    "keras.src.trainers.data_adapters.array_data_adapter.ArrayDataAdapter (source)": (
+        "tf.random.shuffle",
+    ),
+    "tensorflow.python.eager.context": ("global_seed",),
+    "tensorflow.python.eager.context.Context (source)": ("_seed",),
     "keras.src.trainers.data_adapters.tf_dataset_adapter": ("TFDatasetAdapter",),
     "tensorflow.python.data.ops.dataset_ops.DatasetV2": ("_inputs",),
     "tensorflow.python.data.ops.shuffle_op (source)": (

@@ -29,6 +29,9 @@ TRAIN = {
 MIXED = {policy: ["opt=adam", "bn=1", "spe=1", "input=numpy", f"policy={policy}"]
          for policy in ("mixed_bfloat16", "mixed_float16")}
 SOURCES = ["numpy", "dict", "dataset", "files"]
+# Arrays under other global seeds (TensorFlow's, set on both workers before,
+# gives Keras' own order): a different one per worker, or none.
+SEEDINGS = ["per_worker", "none"]
 LEAN = {"even": 64, "uneven": 69}
 
 
@@ -87,6 +90,9 @@ def job(tmp_path_factory):
         if source == "files":
             args.append(f"files={job.root / 'records'}")
         worker_cases.append(["coverage", str(job.mw(f"coverage-{source}")), *args])
+    for seeding in SEEDINGS:
+        worker_cases.append(["coverage", str(job.mw(f"coverage-numpy-{seeding}")), "n=50",
+                             "epochs=2", "input=numpy", f"global_seed={seeding}"])
     for name, n in LEAN.items():
         worker_cases.append(["lean", str(job.mw(f"lean-{name}")), f"n={n}"])
         reference_cases.append(["lean", str(job.ref(f"lean-{name}")), f"n={n}"])
@@ -135,7 +141,7 @@ def test_two_workers_mixed_precision(job, policy):
         np.testing.assert_allclose(got[key], ref[key], atol=2e-3, err_msg=key)
 
 
-@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("source", SOURCES + [f"numpy-{s}" for s in SEEDINGS])
 def test_each_sample_once_per_epoch_across_workers(job, source):
     for rank in (0, 1):
         seen = np.load(job.mw(f"coverage-{source}") / f"rank{rank}.npz")["seen"]

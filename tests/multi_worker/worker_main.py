@@ -132,6 +132,12 @@ def scenario_coverage(out_dir, opts):
 
     model = Counter(strategy=strategy)
     model.compile("sgd", "mse")
+    # TensorFlow's global seed (earlier cases set it to 1 on both workers:
+    # Keras' own order): one per worker, or none (keras_dist's shuffle).
+    if opts.get("global_seed") == "per_worker":
+        tf.random.set_seed(100 + rank)
+    elif opts.get("global_seed") == "none":
+        tf.random.set_seed(None)
     source = opts.get("input", "numpy")
     if source in ("numpy", "dict"):
         inputs = {"ids": x} if source == "dict" else x
