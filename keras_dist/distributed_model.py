@@ -187,6 +187,9 @@ class DistributedModel(keras.Model):
             elif isinstance(layer, keras.layers.Dropout):
                 # Each replica draws its rows of the one-device mask.
                 _keras_compat.replica_invariant_dropout(layer)
+            elif isinstance(layer, _keras_compat.NOISE_LAYERS):
+                # Each replica draws its rows of the one-device noise.
+                _keras_compat.replica_invariant_noise(layer)
 
     def _kd_adopt(self, obj):
         """Moves a Keras object made outside the strategy onto it, in place.

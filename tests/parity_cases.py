@@ -201,6 +201,27 @@ def _dropout():
     return build, train
 
 
+@case("noise_layers", "`GaussianNoise`, `GaussianDropout`, `AlphaDropout` (with a "
+      "`noise_shape`): the same noise as one device")
+def _noise_layers():
+    def build(kd):
+        inputs = keras.Input((D,))
+        h = keras.layers.GaussianNoise(0.1, seed=20)(inputs)
+        h = keras.layers.Dense(16, activation="selu")(h)
+        h = keras.layers.AlphaDropout(0.2, seed=21)(h)
+        h = keras.layers.GaussianDropout(0.3, seed=22)(h)
+        h = keras.layers.Dense(8, activation="selu")(h)
+        h = keras.layers.AlphaDropout(0.1, noise_shape=(None, 1), seed=23)(h)
+        return keras.Model(inputs, keras.layers.Dense(1)(h))
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.02, momentum=0.9), "mse", metrics=["mae"])
+        x, y = data()
+        return fit_eval_predict(model, x, y, validation_split=0.25, epochs=3)
+
+    return build, train
+
+
 @case("functional_form", "`DistributedModel(inputs, outputs)` on layers built first")
 def _functional_form():
     def build(kd):

@@ -92,10 +92,12 @@ from keras_dist._keras_compat.iterators import (  # noqa: F401 (the one door)
     without_global_seed,
 )
 from keras_dist._keras_compat.layers import (  # noqa: F401 (the one door)
+    NOISE_LAYERS,
     attention_projections,
     clone_layer,
     iter_sublayers,
     replica_invariant_dropout,
+    replica_invariant_noise,
     synchronize_batch_norm,
 )
 from keras_dist._keras_compat.runtime import (  # noqa: F401 (the one door)

@@ -5,6 +5,8 @@ and traversal.
 
 from __future__ import annotations
 
+import math
+
 import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import random as keras_tf_random
@@ -108,28 +110,87 @@ def _dropout_rows(inputs, rate, noise_shape, seed, context):
     """`tf.nn.experimental.stateless_dropout` of the global batch, this
     replica's rows only (see `replica_invariant_dropout`)."""
     x = tf.convert_to_tensor(inputs)
-    seed = keras_tf_random._cast_seed(seed)
+    uniform = _replica_rows(_noise_shape(x, noise_shape), x.dtype, seed, context)
+    kept = x * tf.convert_to_tensor(1 / (1 - rate), dtype=x.dtype)
+    return tf.where(uniform >= rate, kept, tf.zeros((), x.dtype))
+
+
+def _noise_shape(x, noise_shape) -> list:
+    """This replica's rows, then the noise shape's other axes."""
     shape = tf.shape(x)
-    noise = [shape[0]] + [  # this replica's rows, then the noise shape's other axes
+    return [shape[0]] + [
         shape[i] if noise_shape is None or noise_shape[i] is None else noise_shape[i]
         for i in range(1, x.shape.rank)
     ]
+
+
+def _replica_rows(noise, dtype, seed, context, normal=False):
+    """This replica's rows of the stateless uniform (or standard normal)
+    draw one device makes for the global batch with `seed`: Philox makes
+    block k of any draw directly, so the draw starts at this replica's first
+    element (see `replica_invariant_dropout`)."""
+    seed = keras_tf_random._cast_seed(seed)
     rows = tf.cast(noise[0], tf.int64)
     inner = tf.reduce_prod(tf.cast(tf.stack(noise[1:]), tf.int64)) if len(noise) > 1 else (
         tf.constant(1, tf.int64))
     start = tf.cast(context.replica_id_in_sync_group, tf.int64) * rows * inner
-    per_block = 2 if x.dtype.size > 4 else 4  # Philox: 4 x 32 bits per counter step
+    per_block = 2 if dtype.size > 4 else 4  # Philox: 4 x 32 bits per counter step
     block, lane = start // per_block, start % per_block
     key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
     counter = tf.bitcast(tf.bitcast(counter, tf.int64) + tf.stack(
         [block, tf.constant(0, tf.int64)]), tf.uint64)
-    uniform = tf.raw_ops.StatelessRandomUniformV2(
+    draw = tf.raw_ops.StatelessRandomNormalV2 if normal else tf.raw_ops.StatelessRandomUniformV2
+    values = draw(
         shape=tf.reshape(rows * inner + lane, [1]), key=key, counter=counter,
-        alg=tf.raw_ops.StatelessRandomGetAlg(), dtype=x.dtype,
+        alg=tf.raw_ops.StatelessRandomGetAlg(), dtype=dtype,
     )[lane:]
-    uniform = tf.reshape(uniform, tf.stack([tf.cast(n, tf.int32) for n in noise]))
-    kept = x * tf.convert_to_tensor(1 / (1 - rate), dtype=x.dtype)
-    return tf.where(uniform >= rate, kept, tf.zeros((), x.dtype))
+    return tf.reshape(values, tf.stack([tf.cast(n, tf.int32) for n in noise]))
+
+
+NOISE_LAYERS = (keras.layers.GaussianNoise, keras.layers.GaussianDropout,
+                keras.layers.AlphaDropout)
+
+
+def replica_invariant_noise(layer) -> None:
+    """`GaussianNoise`, `GaussianDropout`, `AlphaDropout`: each of N replicas
+    draws its rows of the noise one device draws for the global batch (as
+    `replica_invariant_dropout`; Keras' own draw gives every replica the
+    first rows' noise). The arithmetic is Keras' (and
+    `tf.random.stateless_normal`'s: `noise * stddev + mean`)."""
+    if getattr(layer, "_kd_invariant_dropout", False):
+        return
+    keras_call = layer.call
+
+    def call(inputs, training=False):
+        context = tf.distribute.get_replica_context()
+        rate = getattr(layer, "rate", getattr(layer, "stddev", 0))
+        if not training or not rate > 0 or context is None or (
+                context.num_replicas_in_sync < 2):
+            return keras_call(inputs, training=training)
+        x = tf.convert_to_tensor(inputs)
+        dtype = tf.as_dtype(layer.compute_dtype)
+        seed = keras_random.draw_seed(layer.seed_generator)
+        if isinstance(layer, keras.layers.AlphaDropout):
+            noise_shape = layer.noise_shape
+            if noise_shape is not None and noise_shape[0] is not None:
+                return keras_call(inputs, training=training)  # one mask for every row
+            uniform = _replica_rows(_noise_shape(x, noise_shape),
+                                   tf.as_dtype(keras.config.floatx()), seed, context)
+            kept = tf.cast(uniform >= layer.rate, x.dtype)
+            alpha = 1.6732632423543772848170429916717
+            scale = 1.0507009873554804934193349852946
+            alpha_p = -alpha * scale
+            a = ((1 - layer.rate) * (1 + layer.rate * alpha_p**2)) ** -0.5
+            b = -a * alpha_p * layer.rate
+            return a * (x * kept + alpha_p * (1 - kept)) + b
+        noise = _replica_rows(_noise_shape(x, None), dtype, seed, context, normal=True)
+        if isinstance(layer, keras.layers.GaussianNoise):
+            return x + (noise * tf.cast(layer.stddev, dtype) + tf.cast(0.0, dtype))
+        stddev = math.sqrt(layer.rate / (1.0 - layer.rate))
+        return x * (noise * tf.cast(stddev, dtype) + tf.cast(1.0, dtype))
+
+    layer.call = call
+    layer._kd_invariant_dropout = True
 
 
 def _broadcast_shape(inputs, axes):
@@ -168,6 +229,20 @@ INTERNALS = {
     "keras.src.random.seed_generator": ("draw_seed",),
     "keras.src.layers.regularization.spatial_dropout.BaseSpatialDropout (source)": (
         "_get_noise_shape",
+    ),
+    # replica_invariant_noise repeats these layers' arithmetic.
+    "keras.src.layers.regularization.alpha_dropout.AlphaDropout (source)": (
+        "1.6732632423543772848170429916717",
+        "1.0507009873554804934193349852946",
+        "ops.random.uniform(noise_shape, seed=self.seed_generator)",
+    ),
+    "keras.src.layers.regularization.gaussian_dropout.GaussianDropout (source)": (
+        "math.sqrt(self.rate / (1.0 - self.rate))",
+        "mean=1.0",
+    ),
+    "keras.src.layers.regularization.gaussian_noise.GaussianNoise (source)": (
+        "inputs + backend.random.normal(",
+        "mean=0.0",
     ),
 }
 """The private Keras/TF symbols this module uses, by owner (merged into
