@@ -179,6 +179,7 @@ def train_step(model, data, *, even_batches: bool = False, gradient_monitor=None
     factor = None
     strategy = tf.distribute.get_strategy()
     context = tf.distribute.get_replica_context()
+    rows = contextlib.nullcontext()
     # Skipped (no collective) when the run's batches all split evenly.
     if (
         strategy.num_replicas_in_sync > 1
@@ -189,11 +190,17 @@ def train_step(model, data, *, even_batches: bool = False, gradient_monitor=None
             tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0],
             tf.float32,
         )
-        total = context.all_reduce("SUM", local)
-        factor = tf.math.divide_no_nan(
-            local * float(strategy.num_replicas_in_sync), total
-        )
-    with tf.GradientTape() as tape:
+        # Every replica's rows (one collective): their total, and where this
+        # replica's start in the global batch (Dropout's and the noise
+        # layers' draws, see `_keras_compat.rows_start_at`).
+        replicas = strategy.num_replicas_in_sync
+        replica = context.replica_id_in_sync_group
+        counts = context.all_reduce("SUM", tf.one_hot(replica, replicas) * local)
+        total = tf.reduce_sum(counts)
+        before = tf.cast(tf.range(replicas) < tf.cast(replica, tf.int32), tf.float32)
+        rows = _keras_compat.rows_start_at(tf.cast(tf.reduce_sum(counts * before), tf.int64))
+        factor = tf.math.divide_no_nan(local * float(replicas), total)
+    with rows, tf.GradientTape() as tape:
         if _keras_compat.call_has_training_arg(model):
             y_pred = model(x, training=True)
         else:

@@ -660,9 +660,15 @@ def _sequential_batch_norm():
     return build, train
 
 
-@case("uneven_last_batch", "uneven last batch (69 samples, batch 16)")
+@case("uneven_last_batch", "uneven last batch (69 samples, batch 16: 3 and 2 rows on "
+      "2 replicas), with `Dropout` and `GaussianNoise`")
 def _uneven_last_batch():
-    build = functional_mlp
+    def build(kd):
+        inputs = keras.Input((D,))
+        h = keras.layers.Dense(16, activation="relu")(inputs)
+        h = keras.layers.Dropout(0.3, seed=30)(h)
+        h = keras.layers.GaussianNoise(0.2, seed=31)(h)
+        return keras.Model(inputs, keras.layers.Dense(1)(h))
 
     def train(model):
         model.compile(keras.optimizers.SGD(0.05), "mse")

@@ -98,6 +98,7 @@ from keras_dist._keras_compat.layers import (  # noqa: F401 (the one door)
     iter_sublayers,
     replica_invariant_dropout,
     replica_invariant_noise,
+    rows_start_at,
     synchronize_batch_norm,
 )
 from keras_dist._keras_compat.runtime import (  # noqa: F401 (the one door)

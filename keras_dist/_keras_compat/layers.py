@@ -5,7 +5,9 @@ and traversal.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 import keras
 import tensorflow as tf
@@ -124,6 +126,22 @@ def _noise_shape(x, noise_shape) -> list:
     ]
 
 
+_ROWS = threading.local()  # per replica thread (MirroredStrategy traces one each)
+
+
+@contextlib.contextmanager
+def rows_start_at(start):
+    """While open, this replica's rows start at global row `start` (an int64
+    tensor) for the draws of Dropout and the noise layers: a batch split
+    unevenly (5 rows: 3 and 2) does not start at replica id x rows."""
+    previous = getattr(_ROWS, "start", None)
+    _ROWS.start = start
+    try:
+        yield
+    finally:
+        _ROWS.start = previous
+
+
 def _replica_rows(noise, dtype, seed, context, normal=False):
     """This replica's rows of the stateless uniform (or standard normal)
     draw one device makes for the global batch with `seed`: Philox makes
@@ -133,7 +151,10 @@ def _replica_rows(noise, dtype, seed, context, normal=False):
     rows = tf.cast(noise[0], tf.int64)
     inner = tf.reduce_prod(tf.cast(tf.stack(noise[1:]), tf.int64)) if len(noise) > 1 else (
         tf.constant(1, tf.int64))
-    start = tf.cast(context.replica_id_in_sync_group, tf.int64) * rows * inner
+    first_row = getattr(_ROWS, "start", None)
+    if first_row is None:  # an even split
+        first_row = tf.cast(context.replica_id_in_sync_group, tf.int64) * rows
+    start = first_row * inner
     per_block = 2 if dtype.size > 4 else 4  # Philox: 4 x 32 bits per counter step
     block, lane = start // per_block, start % per_block
     key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
