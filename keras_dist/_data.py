@@ -40,12 +40,17 @@ def global_batch_size(
     batch_size,
     per_replica_batch_size,
     batch_arg: str = "batch_size",
+    split_evenly: bool = True,
 ):
     """Returns the global batch size to hand to Keras (None for datasets).
 
+    `split_evenly=False` (evaluation and prediction) accepts any batch
+    size: its batches are split over the replicas as the last partial
+    batch is, and metrics and predictions are exact either way.
+
     Raises:
-        ValueError/TypeError: both sizes given, a non-positive size, or a
-            global batch that the replicas cannot split evenly.
+        ValueError/TypeError: both sizes given, a non-positive size, or
+            (training) a global batch that the replicas cannot split evenly.
     """
     replicas = strategy.num_replicas_in_sync
     if batch_size is not None and per_replica_batch_size is not None:
@@ -70,10 +75,11 @@ def global_batch_size(
     if batch_size is not None:
         _check_positive_int(batch_arg, batch_size)
     if is_dataset_like(x):
-        _check_dataset_batch(x, replicas)
+        if split_evenly:
+            _check_dataset_batch(x, replicas)
         return batch_size
     size = _KERAS_DEFAULT_BATCH_SIZE if batch_size is None else int(batch_size)
-    if size % replicas:
+    if size % replicas and split_evenly:
         shown = f"{batch_arg}={batch_size}" if batch_size is not None else (
             f"{batch_arg}=None (Keras' default of {size})"
         )

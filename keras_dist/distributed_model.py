@@ -388,7 +388,8 @@ class DistributedModel(keras.Model):
         if validation_batch_size is not None:
             # Keras uses it for in-memory validation data only.
             _data.global_batch_size(
-                strategy, None, validation_batch_size, None, "validation_batch_size"
+                strategy, None, validation_batch_size, None, "validation_batch_size",
+                split_evenly=False,
             )
         if validation_split and validation_data is None and _data.is_array_structure(x):
             (x, y, sample_weight), validation_data = _split(
@@ -559,7 +560,7 @@ class DistributedModel(keras.Model):
         x = _data.protect_python_batches(strategy, x)
         if not kwargs.get("_use_cached_eval_dataset", False):
             batch_size = _data.global_batch_size(
-                strategy, x, batch_size, per_replica_batch_size
+                strategy, x, batch_size, per_replica_batch_size, split_evenly=False
             )
             dataset = _data.array_dataset(
                 strategy, x, y, sample_weight, batch_size, False, None
@@ -604,7 +605,7 @@ class DistributedModel(keras.Model):
         _input_checks.check_no_missing_inputs(_collectives.is_multi_worker(strategy), x)
         _input_checks.check_arrays(x)
         batch_size = _data.global_batch_size(
-            strategy, x, batch_size, per_replica_batch_size
+            strategy, x, batch_size, per_replica_batch_size, split_evenly=False
         )
         x = _data.protect_python_batches(strategy, x)
         dataset = _data.array_dataset(strategy, x, None, None, batch_size, False, None)
