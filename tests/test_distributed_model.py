@@ -535,22 +535,31 @@ def test_gradient_accumulation_on_replicas_is_one_device_with_the_larger_batch()
     assert max_abs_diff(model.get_weights(), reference.get_weights()) < 1e-5
 
 
-def test_bad_validation_batch_size():
+def test_validation_batch_size_need_not_split_over_the_replicas():
     model = compiled()
     x, y = regression_data()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
-    with pytest.raises(ValueError, match="validation_batch_size=6"):
-        model.fit(ds, validation_data=(x, y), validation_batch_size=6, verbose=0)
+    with pytest.raises(ValueError, match="validation_batch_size=0"):
+        model.fit(ds, validation_data=(x, y), validation_batch_size=0, verbose=0)
     assert model.optimizer.iterations.numpy() == 0
+    # 6 on 4 replicas: each batch split 2/2/1/1, the validation loss exact.
+    history = model.fit(ds, validation_data=(x, y), validation_batch_size=6, verbose=0)
+    np.testing.assert_allclose(history.history["val_loss"][-1],
+                               model.evaluate(x, y, batch_size=8, verbose=0), rtol=1e-5)
 
 
-def test_bad_batch_size_in_evaluate_and_predict():
+def test_evaluate_and_predict_take_any_batch_size():
     model = compiled()
     x, y = regression_data()
-    with pytest.raises(ValueError, match="replicas"):
-        model.evaluate(x, y, batch_size=6, verbose=0)
+    # 6 and 7 on 4 replicas: split as a last partial batch is; exact.
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=6, verbose=0),
+                               model.evaluate(x, y, batch_size=8, verbose=0), rtol=1e-5)
+    np.testing.assert_allclose(model.predict(x, batch_size=7, verbose=0),
+                               model.predict(x, batch_size=8, verbose=0), atol=1e-6)
     with pytest.raises(ValueError, match="mutually exclusive"):
         model.predict(x, batch_size=8, per_replica_batch_size=2, verbose=0)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        model.evaluate(x, y, batch_size=0, verbose=0)
 
 
 def test_dataset_batches_that_cannot_split():
