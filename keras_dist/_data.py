@@ -219,20 +219,20 @@ def array_dataset(strategy, x, y, sample_weight, batch_size, shuffle, seed, orde
         data = (x, y, sample_weight)
     if not is_array_structure(data):
         return None
-    num_samples = int(tf.nest.flatten(x)[0].shape[0])
+    samples = num_samples(x)
     # As Keras' array adapter does: lists become tuples, else `Dataset.map`
     # would stack a list of same-shaped arrays into one tensor.
     tensors = tf.nest.map_structure(
         tf.convert_to_tensor, keras.tree.lists_to_tuples(data)
     )
-    indices = tf.data.Dataset.range(num_samples)
+    indices = tf.data.Dataset.range(samples)
     if order is not None:
         indices = tf.data.Dataset.from_tensor_slices(tf.constant(order, tf.int64))
     elif shuffle:
         # The agreed seed alone: a worker's own global seed left out.
         with _keras_compat.without_global_seed():
             indices = indices.shuffle(
-                num_samples, seed=seed, reshuffle_each_iteration=True
+                samples, seed=seed, reshuffle_each_iteration=True
             )
     dataset = indices.batch(batch_size).map(
         lambda i: tf.nest.map_structure(lambda t: tf.gather(t, i), tensors),

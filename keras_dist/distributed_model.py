@@ -461,7 +461,7 @@ class DistributedModel(keras.Model):
         )
         session.batch_size = batch_size or _data.static_batch_size(x)
         num_samples = (
-            int(tf.nest.flatten(x)[0].shape[0]) if _data.is_array_structure(x) else None
+            _data.num_samples(x) if _data.is_array_structure(x) else None
         )
         session.even_batches = _data.batches_split_evenly(
             strategy.num_replicas_in_sync, session.batch_size, num_samples
@@ -518,7 +518,7 @@ class DistributedModel(keras.Model):
         replicas = self._kd_strategy.num_replicas_in_sync
         if replicas == 1 or not _data.is_array_structure(x):
             return super().predict_on_batch(x)
-        n = int(tf.nest.flatten(x)[0].shape[0])
+        n = _data.num_samples(x)
         size = -(-n // replicas) * replicas
         return self.predict(x, batch_size=size, verbose=0)
 
@@ -569,7 +569,7 @@ class DistributedModel(keras.Model):
                 full_batches = _data.batches_split_evenly(
                     strategy.num_replicas_in_sync,
                     batch_size,
-                    int(tf.nest.flatten(x)[0].shape[0]),
+                    _data.num_samples(x),
                 )
                 x, y, sample_weight, batch_size = dataset, None, None, None
         with _scope(strategy), _keras_compat.lean_epoch_iterators(
