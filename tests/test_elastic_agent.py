@@ -33,9 +33,17 @@ starts = sum(1 for line in open(log_file) if json.loads(line)[0] == host)
 actions = json.load(open(plan_file)).get(str(host), [])
 action = actions[starts - 1] if starts <= len(actions) else "finish"
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(42))  # saved, then exits 42
-if action == "run":
-    while True:
+flag = os.path.join(os.path.dirname(plan_file), "preempted")
+if action == "slow-save":  # preempted: its peers save with it, exit 42 first
+    def save_slowly(*_):
+        open(flag, "w").close()
+        time.sleep(4.0)
+        sys.exit(42)
+    signal.signal(signal.SIGTERM, save_slowly)
+if action in ("run", "slow-save", "save-with-peer"):
+    while not (action == "save-with-peer" and os.path.exists(flag)):
         time.sleep(0.05)
+    sys.exit(42)
 time.sleep(0.3)
 sys.exit(0 if action == "finish" else int(action))
 '''
@@ -161,6 +169,39 @@ def test_an_interrupted_host_leaves_and_the_others_go_on(tmp_path):
     assert sorted(s for s in job.starts() if s[2] == 2) == [[0, 0, 2], [2, 1, 2]]
 
 
+def test_a_preempted_host_that_saves_slowly_is_not_in_the_next_generation(tmp_path):
+    """The preempted host's worker saves until its launcher's 2 s grace
+    period ends (longer than a heartbeat takes to go stale plus the leader's
+    settle time) while its peers' workers exit 42 at once: its launcher still
+    beats, yet the next generation is hosts 0 and 1, made once, from the
+    preemption (before: hosts 0, 1 and 2 again, whose start then failed)."""
+    job = Job(tmp_path, 3, {0: ["save-with-peer", "finish"], 1: ["save-with-peer", "finish"],
+                            2: ["slow-save"]}, min_workers=2)
+    job.start()
+    while len(job.starts()) < 3:
+        threading.Event().wait(0.05)
+    job.interrupts[2].append(signal.SIGTERM)
+    assert job.wait() == [0, 0, 128 + signal.SIGTERM]
+    assert job.members() == [[0, 1, 2], [0, 1]]
+    assert job.generations()[1]["reason"] == (
+        "host(s) [2] left, preempted (the workers saved a backup and exited 42)")
+
+
+def test_the_preempted_chief_host_no_longer_leads(tmp_path):
+    """Host 0 (the leader) is preempted and saves slowly: host 1 leads the
+    next generation while host 0 still beats."""
+    job = Job(tmp_path, 3, {0: ["slow-save"], 1: ["save-with-peer", "finish"],
+                            2: ["save-with-peer", "finish"]}, min_workers=2)
+    job.start()
+    while len(job.starts()) < 3:
+        threading.Event().wait(0.05)
+    job.interrupts[0].append(signal.SIGTERM)
+    assert job.wait() == [128 + signal.SIGTERM, 0, 0]
+    assert job.members() == [[0, 1, 2], [1, 2]]
+    # Made while host 0's worker was still saving.
+    assert job.generations()[1]["time"] < job.agents[0].rz.read("exit-1-0.json")["time"]
+
+
 def test_too_few_hosts_left_fails_the_job_on_every_host(tmp_path):
     job = Job(tmp_path, 2, {1: [5], 0: ["run"]}, min_workers=2)
     job.start()
@@ -192,7 +233,10 @@ def test_the_directory_backend_and_the_memory_backend_agree(tmp_path):
         assert not rz.propose(1, [1], "late", 0)
         rz.record_exit(1, 42)
         rz.record_exit(1, 1)
-        rz.start_beating()
+        rz.announce_leaving()
+        assert rz.leaving() == (0,)
+        rz.start_beating()  # a host that left and comes back under its rank
+        assert rz.leaving() == ()
     try:
         assert [rz.alive() for rz in stores] == [[0], [0]]
         assert [rz.latest()[1]["members"] for rz in stores] == [[0, 1], [0, 1]]

@@ -26,6 +26,7 @@ class Rendezvous:
         self.job = job
         self.now = 0.0
         self.alive: set[int] = set()
+        self.leaving: set[int] = set()
         self.generations: list[dict] = []
         self.exits: dict[int, dict[int, dict]] = {}
         self.failed: str | None = None
@@ -38,12 +39,14 @@ class Rendezvous:
         if not alive:
             return
         if not self.generations:
-            proposal = policy.first_generation(self.job, alive, self.now)
+            proposal = policy.first_generation(
+                self.job, [a for a in alive if a not in self.leaving], self.now)
         else:
             number = len(self.generations)
             proposal, self.lost_since = policy.next_generation(
                 self.job, number, self.generations[-1], alive,
-                self.exits.get(number, {}), self.now, self.lost_since)
+                self.exits.get(number, {}), self.now, self.lost_since,
+                tuple(sorted(self.leaving)))
         if proposal is None:
             return
         if policy.ends_the_job(self.job, proposal):
@@ -58,14 +61,18 @@ class Rendezvous:
         kind, *args = event
         if kind == "up":
             self.alive.update(args)
+            self.leaving.difference_update(args)
         elif kind == "lost":  # the host (launcher and worker) is gone
             self.alive.difference_update(args)
         elif kind == "exit":  # a member's worker exited: its launcher records it
             rank, code = args
             self.exits.setdefault(len(self.generations), {})[rank] = {"code": code,
                                                                       "time": self.now}
+        elif kind == "leaving":  # its launcher got SIGTERM; it beats while it saves
+            self.leaving.update(args)
         elif kind == "preempted":  # saved, exited 42, and the host leaves
             (rank,) = args
+            self.leaving.add(rank)
             self.play(("exit", rank, 42))
             self.alive.discard(rank)
         elif kind == "wait":
@@ -126,6 +133,18 @@ CASES = [
      UP3 + [("preempted", 2), ("wait", SETTLE)], [(0, 1, 2), (0, 1)], 0, None),
     ("a preemption whose host stays up regroups the same hosts", job(),
      UP3 + [("exit", 1, 42), ("wait", SETTLE)], [(0, 1, 2), (0, 1, 2)], 0, None),
+    ("a preempted host still beats while its peers exit 42 first: left out",
+     job(max_restarts=0),
+     UP3 + [("leaving", 2), ("wait", 2), ("exit", 1, 42), ("exit", 0, 42), ("wait", SETTLE)],
+     [(0, 1, 2), (0, 1)], 0, None),
+    ("the chief's host preempted, its peers exit first: hosts 1 and 2", job(),
+     UP3 + [("leaving", 0), ("exit", 2, 42), ("exit", 1, 42), ("wait", SETTLE)],
+     [(0, 1, 2), (1, 2)], 0, None),
+    ("no generation while a member that leaves still saves", job(rejoin_after=2),
+     UP3 + [("leaving", 1), ("wait", 20)], [(0, 1, 2)], 0, None),
+    ("a preempted host comes back under its rank: the job grows", job(rejoin_after=5),
+     UP3 + [("preempted", 2), ("wait", SETTLE), ("up", 2), ("wait", 5)],
+     [(0, 1, 2), (0, 1), (0, 1, 2)], 0, None),
     ("preempted below min_workers ends the job", job(min_workers=3),
      UP3 + [("preempted", 1), ("wait", SETTLE)], [(0, 1, 2)], 0, "fewer than min_workers=3"),
     ("a lost host comes back: the job grows after rejoin_after", job(rejoin_after=8),
@@ -199,7 +218,8 @@ def test_a_grow_asks_the_workers_to_save_first_and_nothing_else_does():
 
 def test_the_reasons_say_what_happened():
     rz = Rendezvous(job(max_restarts=1))
-    for event in UP3 + [("exit", 1, -9), ("wait", SETTLE), ("preempted", 2), ("wait", SETTLE),
+    for event in UP3 + [("exit", 1, -9), ("wait", SETTLE), ("leaving", 2), ("exit", 0, 42),
+                        ("wait", 1), ("preempted", 2), ("wait", SETTLE),
                         ("exit", 0, 3), ("wait", SETTLE)]:
         rz.play(event)
     assert [g["reason"] for g in rz.generations[1:]] == [

@@ -70,51 +70,61 @@ def first_generation(job: Job, alive: list[int], waited: float) -> Proposal | No
 
 
 def after_a_failure(job: Job, members: list[int], restarts: int, alive: list[int],
-                    failed: dict[int, dict], now: float) -> Proposal | None:
+                    failed: dict[int, dict], now: float,
+                    leaving: tuple[int, ...] = ()) -> Proposal | None:
     """A member's worker exited non-zero (`failed`: rank -> {code, time}).
 
     Waits `SETTLE_SECONDS` after the first failure for the ones it caused.
-    A lost host or a preemption regroups the live hosts without counting a
-    restart; any other failure is a restart while restarts are left, after
-    which the host whose worker failed first is left out.
+    A lost host, one that announced it leaves (`leaving`: its launcher got
+    SIGTERM and still beats while its worker saves) or a preemption
+    regroups the staying hosts without counting a restart; any other
+    failure is a restart while restarts are left, after which the host
+    whose worker failed first is left out.
     """
     first = min(failed, key=lambda r: failed[r]["time"])
     if now - failed[first]["time"] < SETTLE_SECONDS:
         return None
     code = failed[first]["code"]
     reason = f"host {first}'s worker {describe(code)}"
-    lost = [m for m in members if m not in alive]
-    if lost and code == PREEMPTED_EXIT_CODE:
-        reason = f"host(s) {lost} left, preempted (the workers saved a backup and exited 42)"
-    elif lost:
-        reason = f"host(s) {lost} lost (no heartbeat for {STALE_SECONDS:g}s; {reason})"
+    staying = [a for a in alive if a not in leaving]
+    gone = [m for m in members if m not in staying]
+    lost = [m for m in gone if m not in leaving]
+    if gone and (code == PREEMPTED_EXIT_CODE or not lost):
+        reason = (f"host(s) {gone} left, preempted (the workers saved a backup and "
+                  "exited 42)" if code == PREEMPTED_EXIT_CODE else
+                  f"host(s) {gone} left ({reason})")
+    elif gone:
+        reason = f"host(s) {gone} lost (no heartbeat for {STALE_SECONDS:g}s; {reason})"
     elif code == PREEMPTED_EXIT_CODE:
-        # A preempted host's launcher leaves after its worker saved; the
-        # others go on, not counting a restart.
+        # A worker saved and exited 42 while its host stays: the same
+        # hosts go on, not counting a restart.
         reason += " (preempted: it saved a backup)"
     elif restarts < job.max_restarts:
         restarts += 1
         reason += f" (restart {restarts}/{job.max_restarts})"
     else:
         reason += f" and the restarts are used up ({restarts}/{job.max_restarts})"
-        return Proposal(tuple(m for m in alive if m != first), reason, restarts)
-    return Proposal(tuple(alive), reason, restarts)
+        return Proposal(tuple(m for m in staying if m != first), reason, restarts)
+    return Proposal(tuple(staying), reason, restarts)
 
 
 def next_generation(job: Job, number: int, generation: dict, alive: list[int],
-                    exits: dict[int, dict], now: float,
-                    lost_since: float | None) -> tuple[Proposal | None, float | None]:
+                    exits: dict[int, dict], now: float, lost_since: float | None,
+                    leaving: tuple[int, ...] = ()) -> tuple[Proposal | None, float | None]:
     """The generation after `number`, or None for now; and `lost_since`.
 
     `generation`: its members, restarts and creation time. `exits`: the
     exits recorded for it (rank -> {code, time}). `lost_since`: when the
     leader first saw a member of this generation lost (None: not yet),
-    returned updated.
+    returned updated. `leaving`: hosts whose launcher announced that it
+    leaves the job (they may still beat while their worker saves); never
+    members of a later generation.
     """
     members, restarts = list(generation["members"]), generation["restarts"]
     failed = {r: e for r, e in exits.items() if e["code"] != 0}
     if failed:
-        return after_a_failure(job, members, restarts, alive, failed, now), lost_since
+        return (after_a_failure(job, members, restarts, alive, failed, now, leaving),
+                lost_since)
     lost = [m for m in members if m not in alive]
     if lost:
         # Give the exits a lost host caused (or its preemption record) time
@@ -122,12 +132,18 @@ def next_generation(job: Job, number: int, generation: dict, alive: list[int],
         lost_since = lost_since if lost_since is not None else now
         if now - lost_since < SETTLE_SECONDS:
             return None, lost_since
-        return Proposal(tuple(alive), f"host(s) {lost} lost (no heartbeat for "
+        staying = [a for a in alive if a not in leaving]
+        return Proposal(tuple(staying), f"host(s) {lost} lost (no heartbeat for "
                         f"{STALE_SECONDS:g}s)", restarts), lost_since
-    back = sorted(set(alive) - set(members))
+    if any(m in leaving for m in members):
+        # A member's worker is saving before its host leaves: its exit, and
+        # the exits of the workers that save with it, are on their way.
+        return None, lost_since
+    staying = [a for a in alive if a not in leaving]
+    back = sorted(set(staying) - set(members))
     if back and now - generation["time"] >= job.rejoin_after:
-        return Proposal(tuple(alive), f"host(s) {back} are up again ({job.rejoin_after:g}s "
-                        f"after generation {number} began)", restarts,
+        return Proposal(tuple(staying), f"host(s) {back} are up again "
+                        f"({job.rejoin_after:g}s after generation {number} began)", restarts,
                         save_first=True), lost_since
     return None, lost_since
 

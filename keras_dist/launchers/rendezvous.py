@@ -16,7 +16,13 @@ surviving rank is task 0, the chief, which writes the backups. A launcher
 that is not a member (a host that came back) waits for a generation that
 includes it.
 
-The leader (the lowest-ranked live launcher) makes the next generation when:
+A launcher that gets SIGTERM (its host is preempted) first announces that
+it leaves (`leaving-<rank>`), then forwards the signal to its worker, which
+saves with its peers and exits 42; it beats until then, but no later
+generation counts it (and it no longer leads).
+
+The leader (the lowest-ranked live launcher that stays) makes the next
+generation when:
 - none exists yet: every host is up, or `rejoin_after` passed with at least
   K up;
 - a member's worker failed: after a short wait (so that the failures its
@@ -24,7 +30,8 @@ The leader (the lowest-ranked live launcher) makes the next generation when:
   host was lost and the worker was not preempted, this counts as a restart,
   and once the restarts are used up the host whose worker failed first is
   left out;
-- a member's host was lost: the live hosts;
+- a member's host was lost: the live hosts (while a member that leaves still
+  saves, the leader waits for its exit);
 - a live host is not a member and the generation is `rejoin_after` old:
   every live host (the workers save and exit 42, the job grows).
 Members stop their worker (SIGTERM: it saves at its next step) when a newer
@@ -62,8 +69,8 @@ class Rendezvous(abc.ABC):
     written once (generations, exits, the job's end) and reads of them.
 
     The agent (`ElasticHost`) only calls the methods below; a backend
-    implements six primitives: `_write_once`, `read`, `_names`, `_beat`,
-    `_unbeat` and `_beat_age`. `DirectoryRendezvous` keeps them in a
+    implements seven primitives: `_write_once`, `read`, `_names`, `_remove`,
+    `_beat`, `_unbeat` and `_beat_age`. `DirectoryRendezvous` keeps them in a
     directory on shared storage (multi-host jobs); `MemoryRendezvous` in
     one process (the agent's tests, hosts as threads).
     """
@@ -90,6 +97,10 @@ class Rendezvous(abc.ABC):
         """The names of every record."""
 
     @abc.abstractmethod
+    def _remove(self, name: str) -> None:
+        """Deletes record `name` if it exists."""
+
+    @abc.abstractmethod
     def _beat(self) -> None:
         """This host is alive now."""
 
@@ -104,6 +115,9 @@ class Rendezvous(abc.ABC):
     # -- heartbeats --------------------------------------------------------
 
     def start_beating(self) -> None:
+        # A host that left (preempted) and comes back under its rank joins
+        # again: its earlier launcher's announcement no longer holds.
+        self._remove(f"leaving-{self.rank}")
         self._beat()
         self._beating = threading.Thread(target=self._beat_forever, daemon=True)
         self._beating.start()
@@ -118,6 +132,16 @@ class Rendezvous(abc.ABC):
         if self._beating is not None:
             self._beating.join()
         self._unbeat()
+
+    def announce_leaving(self) -> None:
+        """This host leaves the job once its worker has stopped: no later
+        generation counts it, while it still beats as its worker saves."""
+        self._write_once(f"leaving-{self.rank}", {"time": time.time()})
+
+    def leaving(self) -> tuple[int, ...]:
+        """The hosts that announced they leave."""
+        names = set(self._names())
+        return tuple(r for r in range(self.num_hosts) if f"leaving-{r}" in names)
 
     def alive(self) -> list[int]:
         ranks = []
@@ -208,6 +232,12 @@ class DirectoryRendezvous(Rendezvous):
     def _names(self) -> list[str]:
         return os.listdir(self.directory)
 
+    def _remove(self, name: str) -> None:
+        try:
+            os.unlink(self._file(name))
+        except FileNotFoundError:
+            pass
+
     def _beat(self) -> None:
         path = self._file(f"alive-{self.rank}")
         with open(path + ".tmp", "w") as f:
@@ -256,6 +286,10 @@ class MemoryRendezvous(Rendezvous):
     def _names(self) -> list[str]:
         with self.store.lock:
             return list(self.store.records)
+
+    def _remove(self, name: str) -> None:
+        with self.store.lock:
+            self.store.records.pop(name, None)
 
     def _beat(self) -> None:
         with self.store.lock:
@@ -312,6 +346,9 @@ class ElasticHost:
     def _interrupted(self, signum: int) -> int:
         say(f"received {signal.Signals(signum).name}: forwarding it to the worker "
             f"(grace period {self.grace_period:g}s); this host leaves the job")
+        # Said before the worker saves: the peers' workers save with it and
+        # exit 42 first, and the next generation must not count this host.
+        self.rz.announce_leaving()
         if self.group is not None:
             self.group.stop(signum)
             # A preempted worker saved and exited 42: say so to the others.
@@ -342,7 +379,8 @@ class ElasticHost:
         if (self.group is None and generation is not None and number > self.generation
                 and self.rank in generation["members"]):
             self._start(number, generation["members"])
-        if done is None and failed is None and self.rz.alive()[:1] == [self.rank]:
+        leading = [a for a in self.rz.alive() if a not in self.rz.leaving()]
+        if done is None and failed is None and leading[:1] == [self.rank]:
             self._lead(number, generation)
         return None
 
@@ -393,16 +431,17 @@ class ElasticHost:
     # -- leading -----------------------------------------------------------
 
     def _lead(self, number: int, generation: dict | None) -> None:
-        alive, now = self.rz.alive(), time.time()
+        alive, now, leaving = self.rz.alive(), time.time(), self.rz.leaving()
         if generation is None:
-            proposal = policy.first_generation(self.job, alive, now - self.started)
+            proposal = policy.first_generation(
+                self.job, [a for a in alive if a not in leaving], now - self.started)
             number = 0
         else:
             if number != self._lead_generation:
                 self._lead_generation, self._lost_since = number, None
             proposal, self._lost_since = policy.next_generation(
                 self.job, number, generation, alive, self.rz.exits(number), now,
-                self._lost_since)
+                self._lost_since, leaving)
         if proposal is not None:
             self._propose(number + 1, proposal)
 
