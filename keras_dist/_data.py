@@ -40,17 +40,16 @@ def global_batch_size(
     batch_size,
     per_replica_batch_size,
     batch_arg: str = "batch_size",
-    split_evenly: bool = True,
 ):
     """Returns the global batch size to hand to Keras (None for datasets).
 
-    `split_evenly=False` (evaluation and prediction) accepts any batch
-    size: its batches are split over the replicas as the last partial
-    batch is, and metrics and predictions are exact either way.
+    Any size is accepted: a batch that the replicas do not divide is split
+    as evenly as `tf.distribute` can (e.g. 15 as 8 and 7 on 2 replicas), and
+    the built-in steps are exact on it (`_steps.train_step` reweights each
+    replica's loss by its share; metrics and predictions count rows).
 
     Raises:
-        ValueError/TypeError: both sizes given, a non-positive size, or
-            (training) a global batch that the replicas cannot split evenly.
+        ValueError/TypeError: both sizes given, or a non-positive size.
     """
     replicas = strategy.num_replicas_in_sync
     if batch_size is not None and per_replica_batch_size is not None:
@@ -75,22 +74,8 @@ def global_batch_size(
     if batch_size is not None:
         _check_positive_int(batch_arg, batch_size)
     if is_dataset_like(x):
-        if split_evenly:
-            _check_dataset_batch(x, replicas)
         return batch_size
-    size = _KERAS_DEFAULT_BATCH_SIZE if batch_size is None else int(batch_size)
-    if size % replicas and split_evenly:
-        shown = f"{batch_arg}={batch_size}" if batch_size is not None else (
-            f"{batch_arg}=None (Keras' default of {size})"
-        )
-        raise ValueError(
-            f"Invalid value for argument `{batch_arg}`: the global batch must "
-            f"split evenly over the {replicas} replicas in sync. Received: "
-            f"{shown}. Use a multiple of {replicas} (e.g. "
-            f"{batch_arg}={max(replicas, size - size % replicas)}), or pass "
-            f"per_replica_batch_size={max(1, size // replicas)}."
-        )
-    return size
+    return _KERAS_DEFAULT_BATCH_SIZE if batch_size is None else int(batch_size)
 
 
 def static_batch_size(x) -> int | None:
@@ -119,22 +104,6 @@ def batches_split_evenly(
     if num_samples is None:
         return True  # a dataset whose every batch has this fixed size
     return (num_samples % global_batch) % replicas == 0
-
-
-def _check_dataset_batch(x, replicas: int) -> None:
-    if not isinstance(x, tf.data.Dataset) or replicas == 1:
-        return
-    leaves = tf.nest.flatten(x.element_spec)
-    if not leaves or not hasattr(leaves[0], "shape"):
-        return
-    shape = leaves[0].shape
-    if shape.rank and shape[0] is not None and shape[0] % replicas:
-        raise ValueError(
-            "Invalid dataset for argument `x`: its batches of "
-            f"{shape[0]} samples cannot split evenly over the {replicas} "
-            f"replicas in sync. Received: x with element_spec batch size "
-            f"{shape[0]}. Batch it with a multiple of {replicas}."
-        )
 
 
 def is_array_structure(value) -> bool:

@@ -64,9 +64,10 @@ class DistributedModel(keras.Model):
     `steps_per_execution > 1` with several replicas and per-replica
     `BatchNormalization` statistics are fixed.
 
-    `batch_size` in `fit`/`evaluate`/`predict` is the global batch, which
-    must split evenly over the replicas; `per_replica_batch_size=` sets it
-    per replica instead. A last, partial batch may split unevenly: the
+    `batch_size` in `fit`/`evaluate`/`predict` is the global batch, as in
+    Keras; `per_replica_batch_size=` sets it per replica instead. A batch
+    the replicas do not divide (the last, partial batch of an epoch, or
+    any size such as 15 on 2 replicas) is split as evenly as it can be: the
     built-in `train_step` reweights each replica's loss so that the update is
     the one a single device makes on that batch.
 
@@ -388,8 +389,7 @@ class DistributedModel(keras.Model):
         if validation_batch_size is not None:
             # Keras uses it for in-memory validation data only.
             _data.global_batch_size(
-                strategy, None, validation_batch_size, None, "validation_batch_size",
-                split_evenly=False,
+                strategy, None, validation_batch_size, None, "validation_batch_size"
             )
         if validation_split and validation_data is None and _data.is_array_structure(x):
             (x, y, sample_weight), validation_data = _split(
@@ -560,7 +560,7 @@ class DistributedModel(keras.Model):
         x = _data.protect_python_batches(strategy, x)
         if not kwargs.get("_use_cached_eval_dataset", False):
             batch_size = _data.global_batch_size(
-                strategy, x, batch_size, per_replica_batch_size, split_evenly=False
+                strategy, x, batch_size, per_replica_batch_size
             )
             dataset = _data.array_dataset(
                 strategy, x, y, sample_weight, batch_size, False, None
@@ -605,7 +605,7 @@ class DistributedModel(keras.Model):
         _input_checks.check_no_missing_inputs(_collectives.is_multi_worker(strategy), x)
         _input_checks.check_arrays(x)
         batch_size = _data.global_batch_size(
-            strategy, x, batch_size, per_replica_batch_size, split_evenly=False
+            strategy, x, batch_size, per_replica_batch_size
         )
         x = _data.protect_python_batches(strategy, x)
         dataset = _data.array_dataset(strategy, x, None, None, batch_size, False, None)

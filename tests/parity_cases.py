@@ -682,6 +682,30 @@ def _uneven_last_batch():
     return build, train
 
 
+@case("indivisible_batch", "a `batch_size` the replicas do not divide (15 on 2: 8 and 7 "
+      "rows every step; a `tf.data` pipeline batched by 9), with `BatchNormalization` "
+      "and `Dropout`")
+def _indivisible_batch():
+    def build(kd):
+        inputs = keras.Input((D,))
+        h = keras.layers.Dense(16)(inputs)
+        h = keras.layers.BatchNormalization()(h)
+        h = keras.layers.Activation("relu")(h)
+        h = keras.layers.Dropout(0.3, seed=40)(h)
+        return keras.Model(inputs, keras.layers.Dense(1)(h))
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", metrics=["mae"])
+        x, y = data()
+        out = fit_eval_predict(model, x, y, batch_size=15, validation_split=0.25)
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(9)
+        out.update({f"dataset/{k}": v for k, v in history(model.fit(
+            ds, epochs=2, validation_data=ds, verbose=0)).items()})
+        return out
+
+    return build, train
+
+
 @case("compiled_first", "model compiled and trained before `distribute()`")
 def _compiled_first():
     def build(kd):

@@ -178,7 +178,7 @@ def write_reference(path, expected):
     os.replace(path + ".tmp.npz", path)  # readers never see half a file
 
 
-def read_reference(path, timeout=600):
+def read_reference(path, timeout=1500):
     failed = os.path.join(os.path.dirname(path), "failed")
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
@@ -405,7 +405,7 @@ COPIES_READY = "copies_ready"  # `callbacks` copied both killed backups
 WRITER_EXITED = "writer_exited"  # the process that runs `callbacks` ended
 
 
-def resume_copies(mesh, directory, timeout=900):
+def resume_copies(mesh, directory, timeout=1500):
     """`callbacks`' killed backups (copies) resumed on this process's mesh,
     once that process has made them: one JSON row."""
     deadline = time.monotonic() + timeout

@@ -66,7 +66,7 @@ def runs(tmp_path_factory):
                           f"errors={errors}"],
         "model4": [sys.executable, SCRIPT, "steps", "model4", f"golden=read:{references}",
                    "fully_sharded=4", f"load={saved}", f"resume_copies={callbacks}"],
-    })
+    }, timeout=1800)  # per process, for a stuck one: on CPUs 2x slower a sound run passed 600 s
     results = {}
     for mesh in ("model2", "batch2_model2", "model4"):
         rows_of(done[mesh])  # the process succeeded
