@@ -80,6 +80,19 @@ def runs(tmp_path_factory):
     return results, saved, errors
 
 
+def float32_bound(optimizer: str) -> float:
+    """How far float32 weights may end from one device's after a few steps.
+
+    Adam divides each gradient by the root of its running square: on
+    near-zero gradients it magnifies summation-order rounding, by an amount
+    that depends on the CPU's kernels (the largest Adam distance measured:
+    3.1e-6 on one CPU, 1.1e-5 and 2.2e-5 (FullySharded over 4) on a 2 GHz
+    EPYC), while a missing or doubled reduction halves or doubles whole
+    updates (learning rate x gradient, 1e-3 and more here). SGD and
+    momentum pass rounding on as it is: 1e-5."""
+    return 5e-5 if optimizer == "adam" else 1e-5
+
+
 @pytest.mark.parametrize("mesh", ["model2", "model4", "batch2_model2"])
 def test_sharded_training_matches_one_device_and_shards_memory(runs, mesh):
     rows = rows_of(runs[0][mesh])
@@ -105,7 +118,7 @@ def test_sharded_training_matches_one_device_and_shards_memory(runs, mesh):
             # training differs by under XLA; the float64 row checks the math.
             assert row["max_diff"] <= 2 * noise_floor, row
         else:
-            assert row["max_diff"] < 1e-5, row
+            assert row["max_diff"] < float32_bound(row["optimizer"]), row
             assert row["predict_diff"] < 1e-5, row
         # Memory, from the shard each device holds: sharded variables 1/n.
         kind = row["model"]
@@ -379,7 +392,7 @@ def test_fully_sharded_splits_weights_and_slots_and_trains_as_one_device(runs, s
         assert row["size"] == size
         layouts = row["layouts"]
         assert {p: a for p, a in layouts.items() if "batch" in a} == split, layouts
-        assert row["max_diff"] < 1e-5, row
+        assert row["max_diff"] < float32_bound(row["optimizer"]), row
         assert row["history_diff"] < 1e-5, row
         assert row["keys"][0] == row["keys"][1] == [
             "loss", "mae", "val_loss", "val_mae"], row
