@@ -204,11 +204,13 @@ class CustomStep(Regressor):
         x, y = data
         with tf.GradientTape() as tape:
             pred = self(x, training=True)
-            per_sample = tf.reduce_mean(tf.square(pred - y), axis=-1)
-            loss = tf.nn.compute_average_loss(per_sample, global_batch_size=16)
+            loss = self.reduce(tf.reduce_mean(tf.square(pred - y), axis=-1))
         grads = tape.gradient(loss, self.trainable_variables)
         self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
         return {"loss": loss}
+
+    def reduce(self, per_sample):
+        return tf.nn.compute_average_loss(per_sample, global_batch_size=16)
 
 
 @pytest.mark.parametrize("cls", [Regressor, CustomStep])
@@ -228,17 +230,11 @@ def test_subclassed_model_matches_one_device(cls):
 
 
 @keras.saving.register_keras_serializable(package="tests")
-class AverageLossStep(Regressor):
-    """A user-written train_step reducing with `keras_dist.average_loss`."""
+class AverageLossStep(CustomStep):
+    """The same train_step, reducing with `keras_dist.average_loss`."""
 
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            pred = self(x, training=True)
-            loss = keras_dist.average_loss(tf.reduce_mean(tf.square(pred - y), axis=-1))
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-        return {}
+    def reduce(self, per_sample):
+        return keras_dist.average_loss(per_sample)
 
 
 def test_a_custom_train_step_with_average_loss_is_exact_on_any_split():
