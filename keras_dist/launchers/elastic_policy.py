@@ -125,6 +125,7 @@ def next_generation(job: Job, number: int, generation: dict, alive: list[int],
     if failed:
         return (after_a_failure(job, members, restarts, alive, failed, now, leaving),
                 lost_since)
+    staying = [a for a in alive if a not in leaving]
     lost = [m for m in members if m not in alive]
     if lost:
         # Give the exits a lost host caused (or its preemption record) time
@@ -132,14 +133,12 @@ def next_generation(job: Job, number: int, generation: dict, alive: list[int],
         lost_since = lost_since if lost_since is not None else now
         if now - lost_since < SETTLE_SECONDS:
             return None, lost_since
-        staying = [a for a in alive if a not in leaving]
         return Proposal(tuple(staying), f"host(s) {lost} lost (no heartbeat for "
                         f"{STALE_SECONDS:g}s)", restarts), lost_since
     if any(m in leaving for m in members):
         # A member's worker is saving before its host leaves: its exit, and
         # the exits of the workers that save with it, are on their way.
         return None, lost_since
-    staying = [a for a in alive if a not in leaving]
     back = sorted(set(staying) - set(members))
     if back and now - generation["time"] >= job.rejoin_after:
         return Proposal(tuple(staying), f"host(s) {back} are up again "
