@@ -518,9 +518,8 @@ class DistributedModel(keras.Model):
         replicas = self._kd_strategy.num_replicas_in_sync
         if replicas == 1 or not _data.is_array_structure(x):
             return super().predict_on_batch(x)
-        n = _data.num_samples(x)
-        size = -(-n // replicas) * replicas
-        return self.predict(x, batch_size=size, verbose=0)
+        # One batch of every row, split as any batch is.
+        return self.predict(x, batch_size=max(_data.num_samples(x), 1), verbose=0)
 
     def _kd_verbose(self, verbose):
         """Progress output comes from the chief only."""

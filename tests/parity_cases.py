@@ -568,6 +568,7 @@ def _on_batch():
             out[f"train/{i}"] = np.asarray(model.train_on_batch(x[i:i + BATCH], y[i:i + BATCH]))
         out["test"] = np.asarray(model.test_on_batch(x[:BATCH], y[:BATCH]))
         out["predict"] = np.asarray(model.predict_on_batch(x[:BATCH]))
+        out["predict_5_rows"] = np.asarray(model.predict_on_batch(x[:5]))  # split 3 and 2
         return out
 
     return build, train
