@@ -22,7 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import _keras_compat
+from keras_dist import _keras_compat, _liveness
 from keras_dist.strategy import worker_info
 
 
@@ -150,8 +150,9 @@ def _first_replicas_sum(strategy: tf.distribute.Strategy):
         return strategy.run(contribution, args=(value,))
 
     def call(value):
-        result = total(tf.convert_to_tensor(value))
-        return strategy.experimental_local_results(result)[0].numpy()
+        with _liveness.in_collective():  # for the launcher's hang detection
+            result = total(tf.convert_to_tensor(value))
+            return strategy.experimental_local_results(result)[0].numpy()
 
     _SUM_FUNCTIONS[id(strategy)] = call
     return call

@@ -17,6 +17,7 @@ The launcher reads the files (and `/proc` where there is one) to tell apart:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -121,6 +122,20 @@ def step() -> None:
         _state["in_step"] = False
         _state["steps"] += 1
         _state["progress"] = time.time()
+
+
+@contextlib.contextmanager
+def in_collective():
+    """A keras_dist collective outside a step (a callback's agreement): it
+    may wait for the other workers, as a step does."""
+    before = _state["in_step"]
+    if _path:
+        _state["in_step"] = True
+    try:
+        yield
+    finally:
+        if _path:
+            _state["in_step"] = before
 
 
 def joining() -> None:
@@ -284,8 +299,21 @@ class Watch:
         )
         return 1, f"never joined the cluster within {limit:g}s ({doing})"
 
-    def _no_progress(self, now) -> tuple[int, str] | None:
-        """A process that makes steps (or runs a trial) and stopped making them."""
+    def stalled_outside_a_step(self) -> tuple[int, str] | None:
+        """Its report if it made no step for half the hang limit and is
+        outside any step or keras_dist collective: while a peer hangs inside
+        one, waiting for the others, this process is the likelier cause."""
+        last = self.last or {}
+        if last.get("in_step") or not self.timeouts.hang:
+            return None
+        found = self._no_progress(time.time(), self.timeouts.hang / 2)
+        if found is None:
+            return None
+        return found[0], found[1] + ", outside any step while the others wait for it"
+
+    def _no_progress(self, now, threshold=None) -> tuple[int, str] | None:
+        """A process that makes steps (or runs a trial) and stopped making
+        them for `threshold` seconds (default: the hang limit)."""
         limit, last = self.timeouts.hang, self.last
         if not limit or last is None or not last.get("active", True):
             return None
@@ -295,7 +323,7 @@ class Watch:
             or (not self.multi_worker and last.get("steps", 0) > 0)
         )
         idle = now - float(last.get("progress", now))
-        if not started or idle <= limit:
+        if not started or idle <= (threshold or limit):
             return None
         steps = last.get("steps", 0)
         rank = 4 if last.get("in_step") else 3

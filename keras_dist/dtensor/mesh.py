@@ -9,6 +9,8 @@ from collections.abc import Mapping, Sequence
 import keras
 import tensorflow as tf
 
+from keras_dist import _liveness
+
 
 def initialize(num_devices: int | None = None, device_type: str = "CPU") -> int:
     """Initializes DTensor's accelerator system; call it before TensorFlow starts.
@@ -57,6 +59,11 @@ def initialize(num_devices: int | None = None, device_type: str = "CPU") -> int:
     from tensorflow.experimental import dtensor
 
     _multi_client_from_tf_config()
+    multi_client = int(os.environ.get("DTENSOR_NUM_CLIENTS", "1")) > 1
+    if multi_client:
+        # For a launcher's liveness checks: the processes join one cluster
+        # here (DTensor waits for its peers), as a multi-worker strategy does.
+        _liveness.joining()
 
     try:
         if device_type == "CPU":
@@ -70,6 +77,8 @@ def initialize(num_devices: int | None = None, device_type: str = "CPU") -> int:
                 tf.config.threading.set_inter_op_parallelism_threads(2 * devices)
                 os.environ["TF_NUM_INTEROP_THREADS"] = str(2 * devices)
         dtensor.initialize_accelerator_system(device_type)
+        if multi_client:
+            _liveness.joined()
     except (RuntimeError, ValueError) as e:
         raise RuntimeError(
             "keras_dist.dtensor.initialize() must run before TensorFlow "

@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from keras_dist import _keras_compat
+from keras_dist import _keras_compat, _liveness
 from keras_dist.dtensor.fully_sharded import FullySharded
 from keras_dist.dtensor.layout_mapper import LayoutMapper, convolution_variables
 
@@ -232,7 +232,7 @@ class ShardedModel(keras.Model):
     def make_predict_function(self, force=False):
         if self.predict_function is None or force:
             def predict_function(batches):
-                outputs = [self._forward(keras.utils.unpack_x_y_sample_weight(b)[0])
+                outputs = [_counted(self._forward, keras.utils.unpack_x_y_sample_weight(b)[0])
                            for b in batches]
                 return tf.nest.map_structure(
                     lambda *parts: tf.concat(parts, axis=0), *outputs
@@ -403,7 +403,7 @@ class ShardedModel(keras.Model):
                     if logs is None:
                         raise
                     break
-                logs = run_batch(data)
+                logs = _counted(run_batch, data)
             return logs
 
         return function
@@ -592,6 +592,16 @@ class ShardedModel(keras.Model):
             tuple(a.shape) == tuple(b.shape) for a, b in zip(slots, targets)
         ):
             self._scatter(targets, [v.numpy() for v in slots])
+
+
+def _counted(run_batch, data):
+    """One sharded step, counted for a launcher's hang detection (it may
+    wait in a collective for the other processes of the mesh)."""
+    _liveness.step_begins()
+    try:
+        return run_batch(data)
+    finally:
+        _liveness.step()
 
 
 def _clone(model: keras.Model) -> keras.Model:

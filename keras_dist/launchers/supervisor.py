@@ -270,7 +270,16 @@ class Group:
                     found.append((problem[0], index, worker, problem[1]))
         if not found:
             return None
-        _, _, worker, problem = min(found, key=lambda f: f[:2])
+        rank, _, worker, problem = min(found, key=lambda f: f[:2])
+        if rank >= 4:
+            # It waits inside a step or a collective: for a peer that is
+            # outside one, stuck in the script, if there is such a peer.
+            for other in (workers if workers is not None else self.workers):
+                if other is worker or other.proc.poll() is not None or other.watch is None:
+                    continue
+                stalled = other.watch.stalled_outside_a_step()
+                if stalled:
+                    return other, stalled[1]
         return worker, problem
 
     def report_hang(self, worker, problem: str) -> str:

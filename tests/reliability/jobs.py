@@ -4,7 +4,8 @@ Usage: jobs.py KIND OUT_DIR
 - prejoin: worker 1 is stuck before it creates its strategy, on the first
   run only (OUT_DIR/ran-once<rank> marks it); later runs train.
 - stall: worker 1 sleeps in a callback after 20 steps (a deadlock in user
-  code after joining); the other waits in its next step.
+  code after joining); the other waits for it in BackupAndRestore's
+  end-of-step agreement (timed backups: one collective per step).
 - listen: once its cluster formed, each worker writes OUT_DIR/listen<rank>.json
   (its port, the network interfaces it sees) and waits for OUT_DIR/go.
 - train: trains many short epochs; each worker writes OUT_DIR/pid<rank> once
@@ -56,5 +57,9 @@ class Stall(keras.callbacks.Callback):
 
 
 epochs = 200 if kind == "train" else 1
-model.fit(x, x[:, :1], batch_size=8, epochs=epochs, verbose=0, callbacks=[Stall()])
+callbacks = [Stall()]
+if kind == "stall":
+    callbacks.append(keras_dist.callbacks.BackupAndRestore(
+        os.path.join(out_dir, "backup"), save_every_seconds=3600))
+model.fit(x, x[:, :1], batch_size=8, epochs=epochs, verbose=0, callbacks=callbacks)
 print("trained", flush=True)

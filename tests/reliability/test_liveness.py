@@ -8,6 +8,7 @@ the test and a real stopped process; the job tests launch real 2-worker jobs
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,6 +85,51 @@ def test_start_and_hang_limits_and_who_is_blamed(tmp_path):
     assert "made no step" in single.check()[1]
 
 
+def test_the_worker_outside_any_step_is_blamed_not_the_one_waiting_for_it(tmp_path):
+    # Worker 1 sleeps in a callback; worker 0 waits for it inside a step or
+    # a keras_dist collective (a backup's agreement) and runs out of time
+    # first (its last step ended a little earlier): worker 1 is named.
+    from types import SimpleNamespace
+
+    from keras_dist.launchers.supervisor import Group
+
+    limits = _liveness.Timeouts(start=None, hang=20)
+    workers = []
+    for rank, (in_step, idle, where) in enumerate(
+            [(True, 22, "t.py:1 in f"), (False, 19, "train.py:56 in on_train_batch_end")]):
+        path = str(tmp_path / f"hb{rank}")
+        beat(path, joined=True, steps=21, progress=time.time() - idle, in_step=in_step,
+             where=where)
+        proc = SimpleNamespace(poll=lambda: None, pid=os.getpid())
+        workers.append(SimpleNamespace(label=f"worker {rank}", proc=proc,
+                                       watch=_liveness.Watch(os.getpid(), path, True, limits)))
+    group = SimpleNamespace(_next_check=0.0, workers=workers)
+    worker, problem = Group.unresponsive(group)
+    assert worker.label == "worker 1", problem
+    assert "made no step for 19s (limit 20s), at train.py:56 in on_train_batch_end" in problem
+    assert "outside any step while the others wait for it" in problem
+    # Both outside a step (each in its own code): the one past the limit.
+    beat(str(tmp_path / "hb0"), joined=True, steps=21, progress=time.time() - 22)
+    group._next_check = 0.0
+    worker, problem = Group.unresponsive(group)
+    assert worker.label == "worker 0" and "made no step for 22s" in problem
+    # A peer that stepped recently is not blamed for the one inside a step.
+    beat(str(tmp_path / "hb0"), joined=True, steps=21, progress=time.time() - 22,
+         in_step=True)
+    beat(str(tmp_path / "hb1"), joined=True, steps=23, progress=time.time() - 2)
+    group._next_check = 0.0
+    worker, problem = Group.unresponsive(group)
+    assert worker.label == "worker 0" and "inside a step" in problem
+
+
+def test_a_keras_dist_collective_counts_as_inside_a_step(monkeypatch, tmp_path):
+    monkeypatch.setattr(_liveness, "_path", str(tmp_path / "hb"))
+    monkeypatch.setitem(_liveness._state, "in_step", False)
+    with _liveness.in_collective():
+        assert _liveness._state["in_step"] is True
+    assert _liveness._state["in_step"] is False
+
+
 def test_bad_timeouts_are_refused_before_anything_starts(tmp_path):
     import keras_dist
 
@@ -125,7 +171,10 @@ def test_a_worker_stalled_after_joining_is_named(tmp_path):
     assert code == 124, out
     assert "worker 1 made no step for" in out
     assert "at jobs.py:" in out and "in on_train_batch_end" in out
-    assert "worker 0: 21 step(s)" in out and "inside a step" in out
+    # Worker 0 waits in BackupAndRestore's end-of-step agreement (a
+    # keras_dist collective: counted as inside a step), so worker 1 is named
+    # whichever of the two runs out of time first.
+    assert re.search(r"worker 0: 21 step\(s\), last progress \d+s ago, inside a step", out), out
     assert "job failed: worker 1 made no step" in out
     assert seconds < 150, out
 
