@@ -159,8 +159,30 @@ def verify(directory: str) -> dict:
         problem = _state_problem(state, array_names)
         if problem:
             raise CorruptBackupError(state_path, problem)
+        _check_shards(directory, files)
         _check_checkpoint(os.path.join(directory, "variables"))
     return state
+
+
+def _check_shards(directory: str, files: dict) -> None:
+    """The manifest lists the checkpoint's index and each of its data shards
+    (`variables.data-K-of-N`, K < N): a shard missing from disk and from
+    the manifest would pass the file checks and fail the restore."""
+    index = os.path.join(directory, "variables.index")
+    if "variables.index" not in files:
+        raise CorruptBackupError(index, "missing from the manifest")
+    shards = [name for name in files if name.startswith("variables.data-")]
+    counts = {name.rsplit("-of-", 1)[-1] for name in shards}
+    expected = (
+        {f"variables.data-{k:05d}-of-{n}" for n in counts for k in range(int(n))}
+        if len(counts) == 1 and all(n.isdigit() for n in counts) else set()
+    )
+    missing = sorted(expected - set(shards))
+    if not shards or len(counts) != 1 or missing or set(shards) != expected:
+        name = missing[0] if missing else "variables.data-*"
+        raise CorruptBackupError(
+            os.path.join(directory, name), "data shard missing from the manifest and the disk"
+        )
 
 
 def _read_manifest(directory: str) -> dict:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 
@@ -227,6 +228,11 @@ def no_variables(path):
         json.dump(state, f)
 
 
+# A data shard deleted and dropped from the manifest: every listed file is
+# intact, the checkpoint's index still parses, the restore would fail.
+DELETED_RESEALED = resealed(os.remove)
+
+
 @pytest.fixture(scope="module")
 def crashed_once(tmp_path_factory):
     """Backups of a run that crashed after 11 steps (two committed)."""
@@ -248,9 +254,11 @@ def crashed_once(tmp_path_factory):
         ("variables.index", resealed(corrupt_truncate)),
         ("state.json", resealed(bad_position)),
         ("state.json", resealed(no_variables)),
+        ("variables.data-00000-of-00001", DELETED_RESEALED),
     ],
     ids=["truncated", "zero-byte", "bit-flip", "state", "manifest-entry", "unlisted",
-         "index-resealed", "index-truncated-resealed", "state-position", "state-variables"],
+         "index-resealed", "index-truncated-resealed", "state-position", "state-variables",
+         "data-shard-deleted-resealed"],
 )
 def test_damaged_latest_backup_falls_back_to_previous(tmp_path, crashed_once, target, damage):
     backup_dir = str(tmp_path / "b")
@@ -262,7 +270,9 @@ def test_damaged_latest_backup_falls_back_to_previous(tmp_path, crashed_once, ta
     with pytest.warns(UserWarning, match="skipping damaged backup") as record:
         model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
                   callbacks=[BackupAndRestore(backup_dir, save_freq=2)])
-    assert any(bad in str(w.message) for w in record)
+    if damage is DELETED_RESEALED:  # the manifest no longer names the shard
+        bad = os.path.join(os.path.dirname(bad), "variables.data-*: data shard missing")
+    assert any(bad in str(w.message) for w in record), [str(w.message) for w in record]
     # The previous backup resumes exactly too.
     assert max_abs_diff(reference_weights(), model.get_weights()) < 1e-6
 
@@ -692,3 +702,19 @@ def test_a_finished_epoch_is_never_repeated(tmp_path, distributed):
                         callbacks=[BackupAndRestore(backup_dir)])
     assert len(history.history["loss"]) == 2  # epochs 3 and 4 only
     assert int(model.optimizer.iterations.numpy()) == 16
+
+
+@pytest.mark.parametrize("listed, named", [
+    (["variables.index", "variables.data-00000-of-00002"], "variables.data-00001-of-00002"),
+    (["variables.index"], "variables.data-*"),
+    (["variables.data-00000-of-00001"], "variables.index"),
+    (["variables.index", "variables.data-00000-of-00001", "variables.data-00000-of-00002"],
+     "variables.data-*"),
+])
+def test_a_checkpoint_shard_missing_from_the_manifest_is_damage(tmp_path, listed, named):
+    files = {name: {"bytes": 1, "sha256": ""} for name in listed}
+    with pytest.raises(store.CorruptBackupError, match=re.escape(named)):
+        store._check_shards(str(tmp_path), files)
+    # Complete: index and every shard.
+    store._check_shards(str(tmp_path), {name: {} for name in (
+        "variables.index", "variables.data-00000-of-00002", "variables.data-00001-of-00002")})
