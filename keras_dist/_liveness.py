@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -66,8 +67,41 @@ def start() -> None:
 def _beat() -> None:
     # Ends when the file cannot be written: the launcher removed its
     # directory, so nobody reads it any more.
+    launcher = os.getppid()
     while _write():
+        if os.getppid() != launcher:
+            _orphaned(launcher)
         time.sleep(INTERVAL)
+
+
+def _orphaned(launcher: int) -> None:
+    """The launcher is gone (SIGKILL, the OOM killer, a lost login shell):
+    nobody supervises this worker any more, and a re-run of the job would
+    find it still training and writing its backups. Removes its heartbeat
+    file (and the launcher's folder once empty) and ends the process at
+    once, as the launcher would have stopped it; the job resumes from its
+    last backup when it is run again."""
+    try:  # to the launcher's pipe, likely closed with it
+        sys.stderr.write(
+            f"[keras-dist] the launcher (pid {launcher}) is gone: this worker "
+            f"(pid {os.getpid()}) stops with it\n"
+        )
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    with _write_lock:
+        for path in (f"{_path}.tmp", _path):
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+        try:
+            os.rmdir(os.path.dirname(_path))
+        except OSError:
+            pass  # another worker's file is still there
+    if hasattr(signal, "SIGKILL"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(1)
 
 
 _write_lock = threading.Lock()

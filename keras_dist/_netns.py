@@ -21,6 +21,8 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
+import time
 
 ENV = "KERAS_DIST_PRIVATE_NETWORK"
 
@@ -110,9 +112,24 @@ def relaunch(command: list[str], script: str, script_args, *, port, log_dir,
 
 
 def set_up_if_inside() -> None:
-    """In the launcher that `run_inside` started: bring the loopback up."""
+    """In the launcher that `run_inside` started: bring the loopback up, and
+    stop (as on SIGTERM: the workers are stopped with the grace period)
+    when the launcher outside is gone (SIGKILL, the OOM killer)."""
     if inside():
         bring_up_loopback()
+        threading.Thread(target=_stop_with, args=(os.getppid(),),
+                         name="keras-dist-parent-watch", daemon=True).start()
+
+
+def _stop_with(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    try:  # to the outer launcher's terminal or pipe, maybe gone with it
+        sys.stderr.write(f"[keras-dist] the launcher (pid {parent}) is gone: stopping\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def bring_up_loopback() -> None:

@@ -6,6 +6,7 @@ the test and a real stopped process; the job tests launch real 2-worker jobs
 (124) and the time it took.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -209,6 +210,61 @@ def test_a_stopped_worker_is_named_within_seconds(tmp_path):
     assert "job failed: worker 1 stopped responding" in out
     # Default settings: named within well under a minute (measured: ~6 s).
     assert seconds < 45, out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.multi_worker
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+@pytest.mark.parametrize("network", ["shared", "private"])
+def test_workers_die_with_a_killed_launcher(tmp_path, network):
+    # SIGKILL the launcher (the OOM killer, a lost login shell, a
+    # scheduler's hard kill) while its workers train: they stop within
+    # seconds, their heartbeat folder is removed, and nothing writes on.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2",
+               TMPDIR=str(tmp_path))
+    env.pop("TF_CONFIG", None)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    options = ["--private-network"] if network == "private" else []
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", *options,
+         JOBS, "train", str(out_dir)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not all((out_dir / f"pid{r}").exists() for r in (0, 1)):
+            assert launcher.poll() is None and time.monotonic() < deadline, \
+                launcher.stderr and launcher.stderr.read()[-3000:]
+            time.sleep(0.5)
+        time.sleep(0.5)
+        pids = [int((out_dir / f"pid{r}").read_text()) for r in (0, 1)]
+        assert all(alive(pid) for pid in pids)
+        assert list(tmp_path.glob("keras_dist_heartbeat_*"))
+        launcher.kill()
+        killed = time.monotonic()
+        launcher.wait()
+        while any(alive(pid) for pid in pids) and time.monotonic() - killed < 60:
+            time.sleep(0.2)
+        seconds = time.monotonic() - killed
+        assert not any(alive(pid) for pid in pids), f"workers alive {seconds:.0f}s after"
+        while list(tmp_path.glob("keras_dist_heartbeat_*")) and time.monotonic() - killed < 60:
+            time.sleep(0.2)  # the inner launcher removes it after its workers' exit
+    finally:
+        for r in (0, 1):
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int((out_dir / f"pid{r}").read_text()), signal.SIGKILL)
+    # Within a few heartbeats (measured: about 1 s; the private network's
+    # inner launcher stops its workers with the grace period, 5 s).
+    assert seconds < 20, seconds
+    assert not list(tmp_path.glob("keras_dist_heartbeat_*"))
 
 
 @pytest.mark.multi_worker
