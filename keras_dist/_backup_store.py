@@ -10,6 +10,7 @@ Layout of `backup_dir` (only the chief's copy persists)::
         MANIFEST.json         size and sha256 of every file above
     latest                    name of the newest committed backup
     .tmp-backup-00000008-*/   a backup being written (never read)
+    .lock                     held by the chief of the run that uses it
 
 A backup is written under a temporary name, every file is fsynced, the
 directory is renamed into place, then `latest` is replaced atomically. Older
@@ -26,6 +27,8 @@ import json
 import os
 import re
 import shutil
+import socket
+import time
 
 import numpy as np
 
@@ -33,6 +36,7 @@ FORMAT = 1  # of state.json
 MANIFEST = "MANIFEST.json"
 STATE = "state.json"
 POINTER = "latest"
+LOCK = ".lock"
 PREFIX = "backup-"
 TMP_PREFIX = ".tmp-"
 _NAME = re.compile(r"^backup-(\d{8})$")
@@ -352,6 +356,78 @@ def _check_checkpoint(prefix: str) -> None:
         raise CorruptBackupError(
             prefix + ".index", f"unreadable checkpoint ({type(error).__name__}: {message})"
         ) from None
+
+
+# This process's held locks: real path of the backup directory -> open file
+# descriptor. A later fit in the same process (a notebook, a retry after an
+# exception) keeps using the directory it holds.
+_HELD: dict[str, int] = {}
+
+
+def lock(backup_dir: str) -> str | None:
+    """Takes `backup_dir`'s lock for this process; None when taken, else a
+    description of the live holder (another run uses the directory).
+
+    An advisory lock (`flock`) on `backup_dir/.lock`: released by the
+    operating system when its holder exits, so a run that was killed never
+    leaves a stale lock. Where there are no advisory locks (Windows) the
+    directory is not locked.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    real = os.path.realpath(backup_dir)
+    if real in _HELD:
+        return None
+    path = os.path.join(real, LOCK)
+    for _ in range(10):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return None  # cannot be created (no inode left): unlocked, as on Windows
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = ""
+            with contextlib.suppress(OSError):
+                holder = os.read(fd, 4096).decode("utf-8", "replace")
+            os.close(fd)
+            try:
+                info = json.loads(holder)
+                return (f"pid {info['pid']} on host {info['host']}, since "
+                        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(info['since']))}")
+            except (ValueError, KeyError, TypeError):
+                return "a process that holds its lock"
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except OSError:
+            same = False
+        if not same:  # removed (delete_all) while this process waited: again
+            os.close(fd)
+            continue
+        with contextlib.suppress(OSError):  # who holds it (a full disk: held unnamed)
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                     "since": time.time()}).encode())
+        _HELD[real] = fd
+        return None
+    return "a process that removes and creates its lock repeatedly"
+
+
+def unlock(backup_dir: str) -> None:
+    """Releases this process's lock on `backup_dir`, if it holds it: its
+    file is removed first (a process waiting on it finds it gone and takes
+    a new one), then the directory if empty."""
+    real = os.path.realpath(backup_dir)
+    fd = _HELD.pop(real, None)
+    if fd is None:
+        return
+    with contextlib.suppress(OSError):
+        os.remove(os.path.join(real, LOCK))
+    os.close(fd)  # releases the lock
+    with contextlib.suppress(OSError):
+        os.rmdir(real)
 
 
 def delete_all(backup_dir: str) -> None:

@@ -234,8 +234,22 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._selected is not None:
             return self._selected[1]
         self._check_dir()
-        chosen, state = self._newest_intact() if self._chief else (0, None)
-        chosen = _collectives.agree_sum(strategy, [chosen])[0]
+        # One run per backup directory: the chief holds its lock until the
+        # fit ends. Another live run's directory is refused on every worker
+        # (the chief's answer travels with its choice), before anything in
+        # it is read or removed.
+        holder = store.lock(self.backup_dir) if self._chief else None
+        chosen, state = (0, None) if holder or not self._chief else self._newest_intact()
+        chosen = _collectives.agree_sum(strategy, [-1 if holder else chosen])[0]
+        if chosen < 0:
+            raise ValueError(
+                "Invalid value for argument `backup_dir`: another run is using "
+                f"it. Received: backup_dir={self.backup_dir!r}, in use by "
+                f"{holder or 'a run the chief worker named (see its output)'}. Two "
+                "runs writing one backup directory overwrite each other's "
+                "backups: give this run its own backup_dir, or stop the other "
+                "run first (its lock is released when it exits)."
+            )
         if chosen and state is None:  # the chief verified its choice above
             directory = os.path.join(self.backup_dir, store.backup_name(chosen))
             try:
@@ -269,6 +283,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _release(self) -> None:
         """Undoes what a fit that did not reach `on_train_end` left behind."""
+        store.unlock(self.backup_dir)
         self._undo()
         self._selected = None
         self._session = None
@@ -654,6 +669,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._epoch, self._step = self._epoch + 1, 0
             self._cursor.consumed = 0
             self._save()
+        store.unlock(self.backup_dir)
         _keras_compat.set_initial_epoch(self.model, None)
         self._selected = None
         self._reset_run()

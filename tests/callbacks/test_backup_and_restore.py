@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import signal
+import time
 
 import keras
 import numpy as np
@@ -328,7 +329,7 @@ def test_backups_are_atomic_and_bounded(tmp_path):
             assert not [n for n in names if n.startswith(store.TMP_PREFIX)]
             for sequence in committed(backup_dir):
                 store.verify(os.path.join(backup_dir, store.backup_name(sequence)))
-            if names:
+            if committed(backup_dir):  # (the run's .lock is there from the start)
                 with open(os.path.join(backup_dir, store.POINTER)) as f:
                     assert f.read().strip() == store.backup_name(committed(backup_dir)[0])
 
@@ -718,3 +719,59 @@ def test_a_checkpoint_shard_missing_from_the_manifest_is_damage(tmp_path, listed
     # Complete: index and every shard.
     store._check_shards(str(tmp_path), {name: {} for name in (
         "variables.index", "variables.data-00000-of-00002", "variables.data-00001-of-00002")})
+
+
+def test_a_backup_directory_in_use_by_a_live_run_is_refused_and_left_intact(
+        tmp_path, crashed_once):
+    # Another run (another process) is training on the directory: it holds
+    # the lock and is writing a backup. This run is refused before it reads
+    # or removes anything; once the other process is gone (killed: no clean
+    # up) its lock is gone with it and this run resumes exactly.
+    backup_dir = str(tmp_path / "b")
+    shutil.copytree(crashed_once, backup_dir)
+    in_flight = os.path.join(backup_dir, ".tmp-backup-00000009-other")
+    os.makedirs(in_flight)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the other run's chief: takes the lock, then waits
+        try:
+            os.write(write, b"x" if store.lock(backup_dir) is None else b"-")
+            time.sleep(300)
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(read, 1) == b"x"
+        before = sorted(os.listdir(backup_dir))
+        assert store.LOCK in before and os.path.basename(in_flight) in before
+        model = make()
+        with pytest.raises(ValueError, match=re.escape(
+                f"Received: backup_dir={backup_dir!r}, in use by pid {pid} on host ")):
+            model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+                      callbacks=[BackupAndRestore(backup_dir, save_freq=2)])
+        assert sorted(os.listdir(backup_dir)) == before
+        assert int(model.optimizer.iterations.numpy()) == 0  # refused before a step
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(read)
+        os.close(write)
+    model = make()
+    model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+              callbacks=[BackupAndRestore(backup_dir, save_freq=2)])
+    assert max_abs_diff(reference_weights(), model.get_weights()) < 1e-6
+    assert not os.path.exists(backup_dir)  # deleted at the end, the lock too
+
+
+def test_one_process_reuses_the_directory_it_holds(tmp_path):
+    # A fit that raised keeps or releases the lock, and the next fit in the
+    # same process (a notebook, a retry) uses the directory again.
+    backup_dir = str(tmp_path / "b")
+    model = make()
+    with pytest.raises(RuntimeError, match="crash"):
+        model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+                  callbacks=[BackupAndRestore(backup_dir, save_freq=2), Crash(at=5)])
+    assert store.lock(backup_dir) is None
+    model = make()
+    model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+              callbacks=[BackupAndRestore(backup_dir, save_freq=2)])
+    assert not os.path.exists(backup_dir)
