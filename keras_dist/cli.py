@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import textwrap
 
@@ -37,7 +38,7 @@ examples:
       the job goes on from its BackupAndRestore backup and grows back later
   keras-dist launch --hosts n1:2222,n2:2222 --rank 0 train.py
       multi-host: run once per host with its --rank
-  keras-dist launch --hosts n1:2222,n2:2222,n3:2222 --rank 0 --min-workers 2 \
+  keras-dist launch --hosts n1:2222,n2:2222,n3:2222 --rank 0 --min-workers 2 \\
       --rendezvous /shared/job/rendezvous train.py
       elastic multi-host: run on every host; lost hosts are left out and
       hosts that come back rejoin
@@ -56,6 +57,33 @@ examples:
       2 trial groups of 2 workers (keras_dist.tuner tuners), each trial
       trained by MultiWorkerMirroredStrategy across its group
 """
+
+
+def _in_flags(error: Exception, args) -> str:
+    """An argument error as the command line says it: `--num-workers -1`
+    where the Python API says `num_workers=-1`."""
+    text = str(error)
+    for name in sorted(vars(args), key=len, reverse=True):
+        if name in ("command", "script", "script_args"):
+            continue
+        flag = "--" + name.replace("_", "-")
+        text = text.replace(f"argument `{name}`", f"option {flag}")
+        text = text.replace(f"Argument `{name}`", f"Option {flag}")
+        text = text.replace(f"with `{name}`", f"with {flag}")
+        text = re.sub(rf"(?<![\w-]){name}=(\S+?)(?=[.,;)]?(?:\s|$))",
+                      lambda m, flag=flag: _flag_value(flag, m.group(1)), text)
+        if "_" in name:  # a bare Python name (a word with "_" is no prose)
+            text = re.sub(rf"(?<![\w`-]){name}(?![\w=`])", flag, text)
+    # "--min-workers K (--min-workers K)": said once.
+    return re.sub(r"(--[\w-]+(?: [^\s()]+)?) \(\1\)", r"\1", text)
+
+
+def _flag_value(flag: str, value: str) -> str:
+    if value == "True":
+        return flag
+    if value in ("None", "False"):
+        return f"no {flag}"
+    return f"{flag} {value}"
 
 
 def _fill(text: str) -> str:
@@ -205,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 private_network=args.private_network,
             )
         except (ValueError, TypeError) as e:
-            print(f"keras-dist tune: error: {e}", file=sys.stderr)
+            print(f"keras-dist tune: error: {_in_flags(e, args)}", file=sys.stderr)
             return 2
     try:
         if args.print_tf_config:
@@ -218,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("the following arguments are required: script")
         return run_job(LaunchConfig.from_cli(args, script_args))
     except (ValueError, TypeError) as e:
-        print(f"keras-dist launch: error: {e}", file=sys.stderr)
+        print(f"keras-dist launch: error: {_in_flags(e, args)}", file=sys.stderr)
         return 2
 
 

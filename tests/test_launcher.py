@@ -208,29 +208,30 @@ def run_cli(args, capsys):
     "args, message",
     [
         (["--num-workers", "2", "missing.py"], "`script`: no such file. Received: script='missing.py'"),
-        (["--num-workers", "0", "JOB"], "`num_workers`. Expected a positive integer. Received: num_workers=0"),
+        (["--num-workers", "0", "JOB"], "option --num-workers. Expected a positive integer. Received: --num-workers 0."),
         (["--hosts", "a:1,b", "--rank", "0", "JOB"], "entry 'b' is not host:port"),
         (["--hosts", "a:1,a:1", "--rank", "0", "JOB"], "'a:1' appears twice"),
         (["--hosts", "a:70000", "--rank", "0", "JOB"], "port in 1-65535"),
         (["--hosts", "a:1,b:2", "--rank", "2", "JOB"], "`--rank`. Expected an integer in [0, 2) for 2 hosts. Received: --rank=2"),
-        (["--hosts", "a:1,b:2", "JOB"], "Argument `rank` is required with `hosts`"),
+        (["--hosts", "a:1,b:2", "JOB"], "Option --rank is required with --hosts: the index of this host in the list. Received: no --rank"),
         (["--num-workers", "2", "--hosts", "a:1", "JOB"], "mutually exclusive"),
-        (["--num-workers", "2", "--max-restarts", "-1", "JOB"], "`max_restarts`"),
-        (["--num-workers", "2", "--grace-period", "0", "JOB"], "`grace_period`"),
-        (["JOB"], "No cluster given. Pass num_workers=N"),
+        (["--num-workers", "2", "--max-restarts", "-1", "JOB"], "option --max-restarts. Expected a non-negative integer. Received: --max-restarts -1."),
+        (["--num-workers", "2", "--grace-period", "0", "JOB"], "option --grace-period. Expected a positive number of seconds. Received: --grace-period 0.0."),
+        (["JOB"], "No cluster given. Pass --num-workers N for N local workers"),
         (["--num-workers", "2", "-m", "no_such_module_here"], "no module of that name"),
-        (["--num-workers", "2", "--port", "80", "JOB"], "`port`. Expected an integer from 1024"),
-        (["--hosts", "a:1,b:2", "--rank", "0", "--port", "5000", "JOB"], "`port` applies to local workers"),
-        (["--num-workers", "2", "--min-workers", "3", "JOB"], "`min_workers`. Expected at most 2 (the workers of the job). Received: min_workers=3"),
-        (["--num-workers", "2", "--min-workers", "0", "JOB"], "`min_workers`. Expected a positive integer. Received: min_workers=0"),
-        (["--num-workers", "2", "--min-workers", "1", "--rejoin-after", "0", "JOB"], "`rejoin_after`. Expected a positive number of seconds. Received: rejoin_after=0.0"),
-        (["--num-workers", "2", "--rendezvous", "RZ", "JOB"], "`rendezvous` belongs to elastic multi-host jobs"),
-        (["--num-workers", "2", "--min-workers", "1", "--rendezvous", "RZ", "JOB"], "`rendezvous` applies to multi-host jobs"),
-        (["--hosts", "a:1,b:2", "--rank", "0", "--min-workers", "1", "JOB"], "`rendezvous` is required for an elastic multi-host job"),
+        (["--num-workers", "2", "--port", "80", "JOB"], "option --port. Expected an integer from 1024"),
+        (["--hosts", "a:1,b:2", "--rank", "0", "--port", "5000", "JOB"], "Option --port applies to local workers (--num-workers N) only. Received: --port 5000"),
+        (["--num-workers", "2", "--min-workers", "3", "JOB"], "option --min-workers. Expected at most 2 (the workers of the job). Received: --min-workers 3."),
+        (["--num-workers", "2", "--min-workers", "0", "JOB"], "option --min-workers. Expected a positive integer. Received: --min-workers 0."),
+        (["--num-workers", "2", "--min-workers", "1", "--rejoin-after", "0", "JOB"], "option --rejoin-after. Expected a positive number of seconds. Received: --rejoin-after 0.0."),
+        (["--num-workers", "2", "--rendezvous", "RZ", "JOB"], "Option --rendezvous belongs to elastic multi-host jobs. Received: --rendezvous 'RZ' without --min-workers. Pass --min-workers K too"),
+        (["--num-workers", "2", "--min-workers", "1", "--rendezvous", "RZ", "JOB"], "Option --rendezvous applies to multi-host jobs"),
+        (["--hosts", "a:1,b:2", "--rank", "0", "--min-workers", "1", "JOB"], "Option --rendezvous is required for an elastic multi-host job"),
         (["--hosts", "a:1,b:2", "--rank", "0", "--min-workers", "1", "--rendezvous", "DONE", "JOB"], "holds a job that ended (`done`)"),
     ],
 )
 def test_argument_errors(tmp_path, capsys, args, message):
+    # Said as the command line says it: flags, not the Python API's names.
     job = script(tmp_path, "raise SystemExit('must not run')\n")
     finished = tmp_path / "finished"
     finished.mkdir()
@@ -309,8 +310,15 @@ def test_version(capsys):
 def test_help_gives_examples_and_defaults(command, capsys):
     with pytest.raises(SystemExit):
         cli.main([command, "--help"])
-    out = " ".join(capsys.readouterr().out.split())
+    raw = capsys.readouterr().out
+    out = " ".join(raw.split())
     assert "examples:" in out and f"keras-dist {command} --num-workers 2" in out
+    # Each example command on its own lines: a long one continues with "\".
+    examples = raw.split("examples:")[1].splitlines()
+    for line in examples:
+        assert len(line) <= 80 and line.count(" --") <= 4, line
+    if command == "launch":
+        assert "--min-workers 2 \\\n      --rendezvous" in raw
     assert "(default: 5.0)" in out  # --grace-period
     assert "-m, --module" in out and "-v, --verbose" in out
 

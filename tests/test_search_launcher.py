@@ -47,7 +47,10 @@ def test_port_in_use(script):
 
 def test_cli_reports_errors_with_exit_code_2(script, capsys):
     assert cli.main(["tune", "--num-workers", "3", "--workers-per-trial", "2", script]) == 2
-    assert "keras-dist tune: error:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "keras-dist tune: error:" in err
+    # In the command line's words: its flags, not the Python API's names.
+    assert "--workers-per-trial" in err and "workers_per_trial" not in err, err
 
 
 def test_module_mode_runs_every_process_with_its_role(tmp_path, capfd, monkeypatch):
