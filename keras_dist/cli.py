@@ -69,7 +69,7 @@ def _in_flags(error: Exception, args) -> str:
         flag = "--" + name.replace("_", "-")
         text = text.replace(f"argument `{name}`", f"option {flag}")
         text = text.replace(f"Argument `{name}`", f"Option {flag}")
-        text = text.replace(f"with `{name}`", f"with {flag}")
+        text = text.replace(f"`{name}`", flag)
         text = re.sub(rf"(?<![\w-]){name}=(\S+?)(?=[.,;)]?(?:\s|$))",
                       lambda m, flag=flag: _flag_value(flag, m.group(1)), text)
         if "_" in name:  # a bare Python name (a word with "_" is no prose)
