@@ -81,24 +81,18 @@ def _orphaned(launcher: int) -> None:
     file (and the launcher's folder once empty) and ends the process at
     once, as the launcher would have stopped it; the job resumes from its
     last backup when it is run again."""
-    try:  # to the launcher's pipe, likely closed with it
+    with contextlib.suppress(OSError, ValueError):  # to the launcher's pipe, likely closed
         sys.stderr.write(
             f"[keras-dist] the launcher (pid {launcher}) is gone: this worker "
             f"(pid {os.getpid()}) stops with it\n"
         )
         sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
     with _write_lock:
         for path in (f"{_path}.tmp", _path):
-            try:
+            with contextlib.suppress(OSError):
                 os.remove(path)
-            except OSError:
-                pass
-        try:
+        with contextlib.suppress(OSError):  # not while another worker's file is there
             os.rmdir(os.path.dirname(_path))
-        except OSError:
-            pass  # another worker's file is still there
     if hasattr(signal, "SIGKILL"):
         os.kill(os.getpid(), signal.SIGKILL)
     os._exit(1)

@@ -13,6 +13,7 @@ the network either.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -124,11 +125,9 @@ def set_up_if_inside() -> None:
 def _stop_with(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(1.0)
-    try:  # to the outer launcher's terminal or pipe, maybe gone with it
+    with contextlib.suppress(OSError, ValueError):  # its terminal or pipe may be gone too
         sys.stderr.write(f"[keras-dist] the launcher (pid {parent}) is gone: stopping\n")
         sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
     os.kill(os.getpid(), signal.SIGTERM)
 
 
