@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -32,6 +33,8 @@ ENV = "KERAS_DIST_HEARTBEAT"
 # inherits the environment but must not overwrite the worker's file).
 PARENT_ENV = "KERAS_DIST_LAUNCHER_PID"
 INTERVAL = 1.0
+# The launcher's folder of heartbeat files (`tempfile.mkdtemp(prefix=...)`).
+FOLDER_PREFIX = "keras_dist_heartbeat_"
 # How long a silent process (no heartbeat, no CPU use) and a stopped one
 # (state T in /proc: it cannot be busy) are given before they are reported.
 # TensorFlow's coordination service makes the peers fail about 10 s after a
@@ -68,19 +71,24 @@ def _beat() -> None:
     # Ends when the file cannot be written: the launcher removed its
     # directory, so nobody reads it any more.
     launcher = os.getppid()
-    while _write():
+    while True:
         if os.getppid() != launcher:
             _orphaned(launcher)
+        if not _write():
+            if os.getppid() != launcher:  # another orphan removed the folder
+                _orphaned(launcher)
+            return
         time.sleep(INTERVAL)
 
 
 def _orphaned(launcher: int) -> None:
     """The launcher is gone (SIGKILL, the OOM killer, a lost login shell):
     nobody supervises this worker any more, and a re-run of the job would
-    find it still training and writing its backups. Removes its heartbeat
-    file (and the launcher's folder once empty) and ends the process at
-    once, as the launcher would have stopped it; the job resumes from its
-    last backup when it is run again."""
+    find it still training and writing its backups. Removes the launcher's
+    heartbeat folder (nobody reads it now; a worker that finds it gone
+    checks its own launcher) and ends the process at once, as the launcher
+    would have stopped it; the job resumes from its last backup when it is
+    run again."""
     with contextlib.suppress(OSError, ValueError):  # to the launcher's pipe, likely closed
         sys.stderr.write(
             f"[keras-dist] the launcher (pid {launcher}) is gone: this worker "
@@ -88,11 +96,12 @@ def _orphaned(launcher: int) -> None:
         )
         sys.stderr.flush()
     with _write_lock:
+        folder = os.path.dirname(_path)
+        if os.path.basename(folder).startswith(FOLDER_PREFIX):  # the launcher's own
+            shutil.rmtree(folder, ignore_errors=True)
         for path in (f"{_path}.tmp", _path):
             with contextlib.suppress(OSError):
                 os.remove(path)
-        with contextlib.suppress(OSError):  # not while another worker's file is there
-            os.rmdir(os.path.dirname(_path))
     if hasattr(signal, "SIGKILL"):
         os.kill(os.getpid(), signal.SIGKILL)
     os._exit(1)

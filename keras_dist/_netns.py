@@ -114,8 +114,8 @@ def relaunch(command: list[str], script: str, script_args, *, port, log_dir,
 
 def set_up_if_inside() -> None:
     """In the launcher that `run_inside` started: bring the loopback up, and
-    stop (as on SIGTERM: the workers are stopped with the grace period)
-    when the launcher outside is gone (SIGKILL, the OOM killer)."""
+    end when the launcher outside is gone (SIGKILL, the OOM killer): its
+    workers then find their own launcher gone and stop (`_liveness`)."""
     if inside():
         bring_up_loopback()
         threading.Thread(target=_stop_with, args=(os.getppid(),),
@@ -128,7 +128,7 @@ def _stop_with(parent: int) -> None:
     with contextlib.suppress(OSError, ValueError):  # its terminal or pipe may be gone too
         sys.stderr.write(f"[keras-dist] the launcher (pid {parent}) is gone: stopping\n")
         sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def bring_up_loopback() -> None:

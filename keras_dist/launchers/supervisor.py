@@ -181,7 +181,7 @@ class Group:
         self.annotate = annotate
         self.timeouts = timeouts or _liveness.Timeouts()
         self.started = time.monotonic()
-        self.heartbeats = tempfile.mkdtemp(prefix="keras_dist_heartbeat_")
+        self.heartbeats = tempfile.mkdtemp(prefix=_liveness.FOLDER_PREFIX)
         self._next_check = 0.0
         self._training_since = None  # when every worker had made a step
         for label, variables in processes:

@@ -261,9 +261,9 @@ def test_workers_die_with_a_killed_launcher(tmp_path, network):
         for r in (0, 1):
             with contextlib.suppress(OSError, ValueError):
                 os.kill(int((out_dir / f"pid{r}").read_text()), signal.SIGKILL)
-    # Within a few heartbeats (measured: about 1 s; the private network's
-    # inner launcher stops its workers with the grace period, 5 s).
-    assert seconds < 20, seconds
+    # Within a few heartbeats (measured: 0.2-1.0 s; under the private
+    # network the launcher inside the namespace goes first, then its workers).
+    assert seconds < 5, seconds
     assert not list(tmp_path.glob("keras_dist_heartbeat_*"))
 
 
