@@ -99,9 +99,10 @@ def _orphaned(launcher: int) -> None:
         folder = os.path.dirname(_path)
         if os.path.basename(folder).startswith(FOLDER_PREFIX):  # the launcher's own
             shutil.rmtree(folder, ignore_errors=True)
-        for path in (f"{_path}.tmp", _path):
-            with contextlib.suppress(OSError):
-                os.remove(path)
+        else:  # a folder the launcher did not make: only this worker's files
+            for path in (f"{_path}.tmp", _path):
+                with contextlib.suppress(OSError):
+                    os.remove(path)
     if hasattr(signal, "SIGKILL"):
         os.kill(os.getpid(), signal.SIGKILL)
     os._exit(1)
@@ -159,6 +160,17 @@ def step() -> None:
         _state["in_step"] = False
         _state["steps"] += 1
         _state["progress"] = time.time()
+
+
+def counted(run_step, *args):
+    """`run_step(*args)`: one train / test / predict call of a keras_dist
+    model, counted for the launcher's hang detection (it may wait in a
+    collective for the other workers)."""
+    step_begins()
+    try:
+        return run_step(*args)
+    finally:
+        step()
 
 
 @contextlib.contextmanager

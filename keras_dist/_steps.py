@@ -79,20 +79,17 @@ def make_function(model, step_function, before_input=None):
             multi_step_on_iterator, reduce_retracing=True
         )
 
-    def function(iterator):
-        _liveness.step_begins()  # for the launcher's hang detection
+    def run(iterator):
         iterator = _keras_compat.materialize(iterator)
-        try:
-            if isinstance(
-                iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
-            ):
-                return multi_step_on_iterator(iterator)
-            outputs = None
-            for _, data in zip(range(steps_per_execution), iterator):
-                outputs = one_step_on_data(data)
-            return outputs
-        finally:
-            _liveness.step()
+        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            return multi_step_on_iterator(iterator)
+        outputs = None
+        for _, data in zip(range(steps_per_execution), iterator):
+            outputs = one_step_on_data(data)
+        return outputs
+
+    def function(iterator):
+        return _liveness.counted(run, iterator)  # for the launcher's hang detection
 
     return function
 
@@ -352,11 +349,7 @@ def make_predict_function(model):
         predict_function = tf.function(predict_function, reduce_retracing=True)
 
     def counted(data):
-        _liveness.step_begins()  # for the launcher's hang detection
-        try:
-            return predict_function(data)
-        finally:
-            _liveness.step()
+        return _liveness.counted(predict_function, data)  # for the launcher's hang detection
 
     return counted, dtypes
 

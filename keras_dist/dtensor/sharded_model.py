@@ -232,7 +232,7 @@ class ShardedModel(keras.Model):
     def make_predict_function(self, force=False):
         if self.predict_function is None or force:
             def predict_function(batches):
-                outputs = [_counted(self._forward, keras.utils.unpack_x_y_sample_weight(b)[0])
+                outputs = [_liveness.counted(self._forward, keras.utils.unpack_x_y_sample_weight(b)[0])
                            for b in batches]
                 return tf.nest.map_structure(
                     lambda *parts: tf.concat(parts, axis=0), *outputs
@@ -403,7 +403,7 @@ class ShardedModel(keras.Model):
                     if logs is None:
                         raise
                     break
-                logs = _counted(run_batch, data)
+                logs = _liveness.counted(run_batch, data)  # for a launcher's hang detection
             return logs
 
         return function
@@ -592,16 +592,6 @@ class ShardedModel(keras.Model):
             tuple(a.shape) == tuple(b.shape) for a, b in zip(slots, targets)
         ):
             self._scatter(targets, [v.numpy() for v in slots])
-
-
-def _counted(run_batch, data):
-    """One sharded step, counted for a launcher's hang detection (it may
-    wait in a collective for the other processes of the mesh)."""
-    _liveness.step_begins()
-    try:
-        return run_batch(data)
-    finally:
-        _liveness.step()
 
 
 def _clone(model: keras.Model) -> keras.Model:
