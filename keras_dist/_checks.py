@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 
@@ -12,8 +13,9 @@ def is_positive_int(value) -> bool:
 
 
 def is_positive_number(value) -> bool:
-    """A real number (not a bool) above 0."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
+    """A finite real number (not a bool) above 0."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
 
 
 def check_script(script, kind: str, module: bool = False) -> None:
@@ -52,8 +54,8 @@ def _module_exists(name: str) -> bool:
 def check_seconds(name: str, value) -> None:
     if not is_positive_number(value):
         raise ValueError(
-            f"Invalid value for argument `{name}`. Expected a positive "
-            f"number of seconds. Received: {name}={value!r}."
+            f"Invalid value for argument `{name}`. Expected a positive, "
+            f"finite number of seconds. Received: {name}={value!r}."
         )
 
 
@@ -65,17 +67,59 @@ def check_timeout(name: str, value) -> None:
         check_seconds(name, value)
     except ValueError:
         raise ValueError(
-            f"Invalid value for argument `{name}`. Expected a positive number "
-            f"of seconds, or None for no limit (0 on the command line). "
+            f"Invalid value for argument `{name}`. Expected a positive, finite "
+            f"number of seconds, or None for no limit (0 on the command line). "
             f"Received: {name}={value!r}."
         ) from None
 
 
 def check_log_dir(log_dir) -> None:
-    if log_dir is not None and os.path.exists(log_dir) and not os.path.isdir(log_dir):
+    """A directory, or a path whose nearest existing part is a writable one."""
+    if log_dir is None:
+        return
+    existing = os.path.abspath(os.fspath(log_dir))
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "it exists" if existing == os.path.abspath(log_dir) else f"{existing!r} exists"
         raise ValueError(
-            "Invalid value for argument `log_dir`: it exists and is not a "
-            f"directory. Received: log_dir={log_dir!r}."
+            f"Invalid value for argument `log_dir`: {where} and is not a "
+            f"directory. Received: log_dir={log_dir!r}. Pass a directory, or "
+            "a path where one can be created."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"Invalid value for argument `log_dir`: {existing!r} is not "
+            f"writable by this user. Received: log_dir={log_dir!r}. Pass a "
+            "directory you can write to."
+        )
+
+
+# Each worker is a TensorFlow process: about 256 MiB of memory at the least.
+_WORKER_MEMORY = 256 * 2**20
+
+
+def max_local_workers() -> int:
+    """How many worker processes this machine can hold at the least cost each."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1024
+    return max(1, memory // _WORKER_MEMORY)
+
+
+def check_local_workers(name: str, value) -> None:
+    """A positive count of processes that fits on this machine."""
+    check_count(name, value)
+    limit = max_local_workers()
+    if value > limit:
+        raise ValueError(
+            f"Invalid value for argument `{name}`. Expected at most {limit} on "
+            f"this machine: every worker of a local job is a TensorFlow "
+            f"process here, each needs {_WORKER_MEMORY // 2**20} MiB of memory "
+            f"or more, and this machine has {limit * _WORKER_MEMORY / 2**30:.0f} "
+            f"GiB. Received: {name}={value!r}. Start fewer workers, or spread "
+            "them over machines (`hosts`, one launcher per host)."
         )
 
 
@@ -86,14 +130,6 @@ def check_count(name: str, value, minimum: int = 1) -> None:
         raise ValueError(
             f"Invalid value for argument `{name}`. Expected a {kind} "
             f"integer. Received: {name}={value!r}."
-        )
-
-
-def check_port(port) -> None:
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-        raise ValueError(
-            "Invalid value for argument `port`. Expected an integer in "
-            f"1..65535. Received: port={port!r}."
         )
 
 

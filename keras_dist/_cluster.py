@@ -113,6 +113,15 @@ def _checked_cluster(cluster) -> dict:
                 addresses,
                 'Expected a non-empty list of "host:port" strings.',
             )
+        for address in addresses:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise _fail(
+                    f"cluster.{task_type}",
+                    addresses,
+                    f"Address {address!r} is not host:port with a port in "
+                    "1-65535 (digits only).",
+                )
     seen = {}
     for task_type, addresses in cluster.items():
         for address in addresses:
@@ -205,21 +214,18 @@ def loopback_ports(count: int) -> list[int]:
             s.close()
 
 
-def consecutive_ports(first, count: int) -> list[int]:
+def consecutive_ports(first, count: int, used_by: str = "the workers use") -> list[int]:
     """`first`, `first + 1`, ... on 127.0.0.1, each checked free now.
 
     Raises:
         ValueError: naming `port`, for a bad number or a port in use.
     """
-    if (
-        not isinstance(first, int)
-        or isinstance(first, bool)
-        or not 1024 <= first <= 65535 - count + 1
-    ):
+    last = 65535 - count + 1
+    which = (f"port, port + 1, ..., port + {count - 1}" if count > 1 else "that port")
+    if not isinstance(first, int) or isinstance(first, bool) or not 1024 <= first <= last:
         raise ValueError(
-            "Invalid value for argument `port`. Expected an integer from 1024 "
-            f"to {65535 - count + 1} (the workers use port, port + 1, ..., "
-            f"port + {count - 1}). Received: port={first!r}."
+            f"Invalid value for argument `port`. Expected an integer from 1024 "
+            f"to {last} ({used_by} {which}). Received: port={first!r}."
         )
     ports = list(range(first, first + count))
     for port in ports:
@@ -227,11 +233,12 @@ def consecutive_ports(first, count: int) -> list[int]:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
+                needed = f"ports {ports[0]}-{ports[-1]}" if count > 1 else "it"
                 raise ValueError(
                     f"Invalid value for argument `port`: 127.0.0.1:{port} is "
-                    f"in use (the workers need ports {ports[0]}-{ports[-1]}). "
-                    f"Received: port={first!r}. Choose another port, or "
-                    "leave it out for free ports chosen by the system."
+                    f"in use ({used_by} {needed}). Received: port={first!r}. "
+                    "Choose another port, or leave it out for a free one "
+                    "chosen by the system."
                 ) from None
     return ports
 

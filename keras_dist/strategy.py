@@ -35,6 +35,10 @@ _KEY_STRIDE = 100_000
 
 _lock = threading.RLock()
 _cache: dict[tuple, tf.distribute.Strategy] = {}
+# More logical CPUs than this take TensorFlow minutes to set up (a strategy
+# over 1024 took 6.5 s here, growing faster than the count), and stand for
+# no host: a machine has at most a few dozen accelerators.
+MAX_SIMULATED_REPLICAS = 1024
 _mirrored_key_bases: dict[tuple, int] = {}
 _communication: dict[tuple, object] = {}  # the options each strategy was made with
 
@@ -49,7 +53,8 @@ def simulate_replicas(num_replicas: int) -> int:
     with the same count is harmless.
 
     Args:
-        num_replicas: Positive integer, the number of logical CPUs to create.
+        num_replicas: Integer from 1 to 1024, the number of logical CPUs
+            to create.
 
     Returns:
         The number of logical CPU devices now configured.
@@ -62,7 +67,7 @@ def simulate_replicas(num_replicas: int) -> int:
 
     Raises:
         TypeError: if `num_replicas` is not an integer.
-        ValueError: if `num_replicas < 1`.
+        ValueError: if `num_replicas` is not in 1..1024.
         RuntimeError: if TensorFlow has already initialized its devices with
             another configuration.
     """
@@ -72,11 +77,12 @@ def simulate_replicas(num_replicas: int) -> int:
             f"integer. Received: num_replicas={num_replicas!r} of type "
             f"{type(num_replicas).__name__}."
         )
-    if num_replicas < 1:
+    if not 1 <= num_replicas <= MAX_SIMULATED_REPLICAS:
         raise ValueError(
-            "Invalid value for argument `num_replicas`. Expected a positive "
-            f"integer. Received: num_replicas={num_replicas}. Use 1 for a "
-            "single device, 2 or more to simulate replicas."
+            "Invalid value for argument `num_replicas`. Expected an integer "
+            f"from 1 to {MAX_SIMULATED_REPLICAS}. Received: num_replicas="
+            f"{num_replicas}. Use 1 for a single device, 2 or more (as many "
+            "as the machines you plan for have devices) to simulate replicas."
         )
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)

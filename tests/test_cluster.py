@@ -45,3 +45,23 @@ def test_slurm_counts():
         assert _cluster.slurm_num_nodes() == 2
     with mock.patch.dict("os.environ", {}, clear=True):
         assert _cluster.slurm_num_tasks() == 1
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:abc", "127.0.0.1:", ":2222", "h:0", "h:70000", "h:+22"])
+def test_an_address_without_a_port_number_is_refused_naming_it(address):
+    # Checked here, not deep inside TensorFlow's server start.
+    raw = json.dumps({"cluster": {"worker": ["h:1", address]},
+                      "task": {"type": "worker", "index": 0}})
+    with pytest.raises(ValueError) as error:
+        _cluster.parse_tf_config(raw)
+    assert str(error.value) == (
+        "Invalid `TF_CONFIG` environment variable: bad field `cluster.worker`. "
+        f"Received: cluster.worker={['h:1', address]!r}. Address {address!r} is not "
+        "host:port with a port in 1-65535 (digits only)."
+    )
+
+
+def test_ipv6_and_host_names_with_ports_are_accepted():
+    raw = json.dumps({"cluster": {"worker": ["[::1]:2222", "node-1.example:65535"]},
+                      "task": {"type": "worker", "index": 1}})
+    assert _cluster.parse_tf_config(raw).rank == 1

@@ -216,14 +216,17 @@ def run_cli(args, capsys):
         (["--hosts", "a:1,b:2", "JOB"], "Option --rank is required with --hosts: the index of this host in the list. Received: no --rank"),
         (["--num-workers", "2", "--hosts", "a:1", "JOB"], "mutually exclusive"),
         (["--num-workers", "2", "--max-restarts", "-1", "JOB"], "option --max-restarts. Expected a non-negative integer. Received: --max-restarts -1."),
-        (["--num-workers", "2", "--grace-period", "0", "JOB"], "option --grace-period. Expected a positive number of seconds. Received: --grace-period 0.0."),
+        (["--num-workers", "2", "--grace-period", "0", "JOB"], "option --grace-period. Expected a positive, finite number of seconds. Received: --grace-period 0.0."),
+        (["--num-workers", "2", "--grace-period", "inf", "JOB"], "option --grace-period. Expected a positive, finite number of seconds. Received: --grace-period inf."),
+        (["--num-workers", "70000", "JOB"], "option --num-workers. Expected at most "),
+        (["--num-workers", "2", "--log-dir", "FILE/sub", "JOB"], "option --log-dir: 'FILE' exists and is not a directory. Received: --log-dir 'FILE/sub'."),
         (["JOB"], "No cluster given. Pass --num-workers N for N local workers"),
         (["--num-workers", "2", "-m", "no_such_module_here"], "no module of that name"),
         (["--num-workers", "2", "--port", "80", "JOB"], "option --port. Expected an integer from 1024"),
         (["--hosts", "a:1,b:2", "--rank", "0", "--port", "5000", "JOB"], "Option --port applies to local workers (--num-workers N) only. Received: --port 5000"),
         (["--num-workers", "2", "--min-workers", "3", "JOB"], "option --min-workers. Expected at most 2 (the workers of the job). Received: --min-workers 3."),
         (["--num-workers", "2", "--min-workers", "0", "JOB"], "option --min-workers. Expected a positive integer. Received: --min-workers 0."),
-        (["--num-workers", "2", "--min-workers", "1", "--rejoin-after", "0", "JOB"], "option --rejoin-after. Expected a positive number of seconds. Received: --rejoin-after 0.0."),
+        (["--num-workers", "2", "--min-workers", "1", "--rejoin-after", "0", "JOB"], "option --rejoin-after. Expected a positive, finite number of seconds. Received: --rejoin-after 0.0."),
         (["--num-workers", "2", "--rendezvous", "RZ", "JOB"], "Option --rendezvous belongs to elastic multi-host jobs. Received: --rendezvous 'RZ' without --min-workers. Pass --min-workers K too"),
         (["--num-workers", "2", "--min-workers", "1", "--rendezvous", "RZ", "JOB"], "Option --rendezvous applies to multi-host jobs"),
         (["--hosts", "a:1,b:2", "--rank", "0", "--min-workers", "1", "JOB"], "Option --rendezvous is required for an elastic multi-host job"),
@@ -236,10 +239,13 @@ def test_argument_errors(tmp_path, capsys, args, message):
     finished = tmp_path / "finished"
     finished.mkdir()
     (finished / "done").write_text("{}")
-    args = [job if a == "JOB" else str(finished) if a == "DONE" else a for a in args]
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    names = {"JOB": job, "DONE": str(finished), "FILE/sub": str(a_file / "sub")}
+    args = [names.get(a, a) for a in args]
     status, err = run_cli(args, capsys)
     assert status == 2
-    assert message in err
+    assert message.replace("'FILE", repr(str(a_file))[:-1]) in err
 
 
 def test_port_in_use(tmp_path, capsys):

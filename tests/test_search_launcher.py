@@ -24,6 +24,8 @@ def script(tmp_path):
         ({"num_workers": 2, "grace_period": 0}, "grace_period=0"),
         ({"num_workers": 2, "finish_timeout": -1}, "finish_timeout=-1"),
         ({"num_workers": 2, "port": 70000}, "port=70000"),
+        ({"num_workers": 2, "grace_period": float("inf")}, "finite number of seconds. Received: grace_period=inf"),
+        ({"num_workers": 70000}, "Received: num_workers=70000. Start fewer workers"),
     ],
 )
 def test_bad_arguments(script, kwargs, message):
@@ -36,13 +38,18 @@ def test_missing_script(tmp_path):
         keras_dist.launch_search(str(tmp_path / "nope.py"), num_workers=1)
 
 
-def test_port_in_use(script):
+def test_port_in_use(script, capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        with pytest.raises(ValueError, match=f"Port {port}"):
+        with pytest.raises(ValueError, match=f"127.0.0.1:{port} is in use \\(the oracle uses it\\)"):
             keras_dist.launch_search(script, num_workers=1, port=port)
+        # The command line has no --hosts to pick from: its own flag is named.
+        assert cli.main(["tune", "--num-workers", "1", "--port", str(port), script]) == 2
+    err = capsys.readouterr().err
+    assert f"option --port: 127.0.0.1:{port} is in use (the oracle uses it). Received: --port {port}." in err
+    assert "--hosts" not in err
 
 
 def test_cli_reports_errors_with_exit_code_2(script, capsys):

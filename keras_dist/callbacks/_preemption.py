@@ -11,24 +11,46 @@ UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 
 
 def checked_signals(values) -> tuple:
-    """`preemption_signals` as `signal.Signals`, or a ValueError naming it."""
+    """`preemption_signals` (one signal or several) as `signal.Signals`, or a
+    ValueError naming the argument."""
+    if isinstance(values, int) and not isinstance(values, bool):
+        values = (values,)  # one signal: signal.SIGTERM or its number
+    if values is None:
+        values = ()
+    if isinstance(values, (str, bytes)) or not _iterable(values):
+        raise ValueError(
+            "Invalid value for argument `preemption_signals`. Expected a "
+            "signal or a sequence of signals, such as signal.SIGTERM or "
+            f"(signal.SIGTERM, signal.SIGUSR1). Received: preemption_signals={values!r}."
+        )
     signals = []
-    for value in values or ():
+    for value in values:
         try:
+            if isinstance(value, bool):
+                raise TypeError
             sig = signal.Signals(value)
         except (ValueError, TypeError):
             raise ValueError(
                 "Invalid value for argument `preemption_signals`. Expected "
-                f"signal numbers such as signal.SIGTERM. Received: {value!r}"
+                "signal numbers such as signal.SIGTERM. Received: "
+                f"preemption_signals={values!r}, whose {value!r} is not one."
             ) from None
         if sig in UNCATCHABLE:
             raise ValueError(
                 "Invalid value for argument `preemption_signals`: "
-                f"{sig.name} cannot be caught. Received: {value!r}. Use "
-                "SIGTERM, SIGUSR1 or another catchable signal."
+                f"{sig.name} cannot be caught. Received: preemption_signals={values!r}. "
+                "Use SIGTERM, SIGUSR1 or another catchable signal."
             )
         signals.append(sig)
     return tuple(signals)
+
+
+def _iterable(value) -> bool:
+    try:
+        iter(value)
+    except TypeError:
+        return False
+    return True
 
 
 class PreemptionSignals:

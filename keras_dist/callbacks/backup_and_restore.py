@@ -78,9 +78,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_every_seconds: Optional positive number: also back up at the
             first step boundary after this many seconds since the last
             backup (agreed across workers).
-        preemption_signals: Signals that trigger a save-and-exit at the next
-            step boundary, default `(signal.SIGTERM,)`. `None` or `()`
-            disables it. Handlers are installed from the main thread only.
+        preemption_signals: A signal, or a sequence of signals, that
+            triggers a save-and-exit at the next step boundary, default
+            `(signal.SIGTERM,)`. `None` or `()` disables it. Handlers are installed from the main thread only.
 
     Example:
 
@@ -118,7 +118,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         *,
         max_to_keep: int = 2,
         save_every_seconds: float | None = None,
-        preemption_signals: Sequence[int] | None = (signal.SIGTERM,),
+        preemption_signals: int | Sequence[int] | None = (signal.SIGTERM,),
     ):
         super().__init__()
         _check_backup_dir(backup_dir)
@@ -140,7 +140,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         if save_every_seconds is not None and not _checks.is_positive_number(save_every_seconds):
             raise ValueError(
                 "Invalid value for argument `save_every_seconds`. Expected None "
-                f"or a positive number. Received: save_every_seconds={save_every_seconds!r}"
+                f"or a positive, finite number of seconds. Received: "
+                f"save_every_seconds={save_every_seconds!r}"
             )
         # Configuration: survives across fit() calls.
         self.backup_dir = os.fspath(backup_dir)

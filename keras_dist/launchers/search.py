@@ -10,7 +10,7 @@ from keras_dist import _cluster, _liveness, _netns
 from keras_dist._checks import (
     check_count,
     check_launch_arguments,
-    check_port,
+    check_local_workers,
     check_seconds,
 )
 from keras_dist.launchers.supervisor import (
@@ -315,7 +315,7 @@ class _SearchSupervisor:
 def _check(script, num_workers, workers_per_trial, port, log_dir,
            grace_period, finish_timeout, module=False) -> None:
     check_launch_arguments(script, "search", module, grace_period, log_dir)
-    check_count("num_workers", num_workers)
+    check_local_workers("num_workers", num_workers)
     check_count("workers_per_trial", workers_per_trial)
     if num_workers % workers_per_trial:
         raise ValueError(
@@ -325,5 +325,4 @@ def _check(script, num_workers, workers_per_trial, port, log_dir,
         )
     check_seconds("finish_timeout", finish_timeout)
     if port is not None:
-        check_port(port)
-        _cluster.check_port_free(f"127.0.0.1:{port}")
+        _cluster.consecutive_ports(port, 1, used_by="the oracle uses")

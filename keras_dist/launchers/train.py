@@ -8,7 +8,12 @@ import time
 from collections.abc import Sequence
 
 from keras_dist import _cluster, _liveness, _netns
-from keras_dist._checks import check_count, check_launch_arguments, check_seconds
+from keras_dist._checks import (
+    check_count,
+    check_launch_arguments,
+    check_local_workers,
+    check_seconds,
+)
 from keras_dist.launchers import elastic_policy as policy
 from keras_dist.launchers.config import LaunchConfig
 from keras_dist.launchers.rendezvous import ElasticHost
@@ -363,7 +368,7 @@ def _plan(config: LaunchConfig):
             "of a multi-host job."
         )
     if num_workers is not None:
-        check_count("num_workers", num_workers)
+        check_local_workers("num_workers", num_workers)
 
         if port is not None:
             fixed = _cluster.consecutive_ports(port, num_workers)

@@ -591,12 +591,22 @@ def test_save_every_seconds_saves_on_time(tmp_path):
         (dict(double_checkpoint="yes"), TypeError, "double_checkpoint='yes'"),
         (dict(save_every_seconds=-1), ValueError, "save_every_seconds=-1"),
         (dict(preemption_signals=[signal.SIGKILL]), ValueError, "SIGKILL cannot be caught"),
-        (dict(preemption_signals=[12345]), ValueError, "Received: 12345"),
+        (dict(preemption_signals=[12345]), ValueError, r"Received: preemption_signals=\[12345\], whose 12345 is not one"),
+        (dict(preemption_signals="SIGTERM"), ValueError, r"Expected a signal or a sequence of signals, such as signal.SIGTERM .* Received: preemption_signals='SIGTERM'"),
+        (dict(preemption_signals=15.0), ValueError, "Received: preemption_signals=15.0"),
+        (dict(preemption_signals=[True]), ValueError, "whose True is not one"),
+        (dict(save_every_seconds=float("inf")), ValueError, "save_every_seconds=inf"),
     ],
 )
 def test_bad_arguments_are_rejected(tmp_path, kwargs, error, match):
     with pytest.raises(error, match=match):
         BackupAndRestore(str(tmp_path), **kwargs)
+
+
+def test_one_signal_is_taken_as_the_one_preemption_signal(tmp_path):
+    assert BackupAndRestore(str(tmp_path), preemption_signals=signal.SIGUSR1).preemption_signals == (
+        signal.SIGUSR1,)
+    assert BackupAndRestore(str(tmp_path), preemption_signals=None).preemption_signals == ()
 
 
 def test_bad_backup_dir_is_rejected_before_any_step(tmp_path):
