@@ -1,4 +1,5 @@
-"""`private_network=True`: a local job in its own network namespace.
+"""A local job in its own network namespace (the default where one can be
+made; `private_network=True` requires it, `False` opts out).
 
 TensorFlow's gRPC server listens on every interface (`[::]:PORT`) whatever
 host `TF_CONFIG` names (`GrpcServer::Init` in
@@ -37,8 +38,13 @@ def _unshare() -> list[str]:
     return ["unshare", *flags]
 
 
-def check() -> None:
-    """Raises ValueError, naming why, where a private network cannot be made."""
+_reason_cache: list = []
+
+
+def unavailable() -> str | None:
+    """Why no private network namespace can be made here, or None."""
+    if _reason_cache:
+        return _reason_cache[0]
     reason = None
     if not sys.platform.startswith("linux"):
         reason = f"network namespaces are a Linux feature (this is {sys.platform})"
@@ -50,6 +56,13 @@ def check() -> None:
         )
         if probe.returncode != 0:
             reason = f"`unshare --net` failed here: {probe.stderr.strip()}"
+    _reason_cache.append(reason)
+    return reason
+
+
+def check() -> None:
+    """Raises ValueError, naming why, where a private network cannot be made."""
+    reason = unavailable()
     if reason:
         raise ValueError(
             "Invalid value for argument `private_network`: True needs a "
@@ -57,6 +70,52 @@ def check() -> None:
             "private_network=True. Run without it and keep the workers' ports "
             "behind a firewall (see the launch guide, 'Network exposure')."
         )
+
+
+def wanted(private_network, *, local: bool, received: str) -> bool:
+    """Whether this launcher should re-run itself in a private network.
+
+    `private_network`: True (required: refused where it cannot be made or
+    for a multi-host job), None (the default: a local job gets one where it
+    can be made) or False. `received`: the job's cluster options, for the
+    error message.
+    """
+    if private_network not in (True, False, None):
+        raise ValueError(
+            "Invalid value for argument `private_network`. Expected True, "
+            f"False or None (the default). Received: private_network={private_network!r}."
+        )
+    if inside() or private_network is False:
+        return False
+    if private_network is None:
+        return local and unavailable() is None
+    if not local:
+        raise ValueError(
+            "Invalid value for argument `private_network`: it isolates a "
+            "local job (num_workers=N); a multi-host job needs the network. "
+            f"Received: private_network=True with {received}. Keep multi-host "
+            "jobs on a private network or behind a firewall."
+        )
+    check()
+    return True
+
+
+def exposure(*, local: bool, private_network) -> str:
+    """One console line: who can reach the job's servers (their ports are
+    on the start line)."""
+    if inside():
+        return ("private network: only this job's processes can reach its "
+                "workers, and the workers reach no network (--no-private-network "
+                "gives them this host's network)")
+    if not local:
+        return ("this host's worker listens on every interface: reachable from any "
+                "host that can route to this one; keep the job's ports behind a "
+                "firewall (docs/launch.md, 'Network exposure')")
+    why = ("--no-private-network was given" if private_network is False
+           else f"no private network here: {unavailable()}")
+    return (f"the workers listen on every interface of this host ({why}): "
+            "reachable from the network; keep their ports behind a firewall "
+            "(docs/launch.md, 'Network exposure')")
 
 
 def run_inside(cli_args: list[str]) -> int:
@@ -93,9 +152,8 @@ def inside() -> bool:
 
 def relaunch(command: list[str], script: str, script_args, *, port, log_dir,
              grace_period, module, verbose, start_timeout, hang_timeout) -> int:
-    """Checks that a namespace can be made, then runs `keras-dist COMMAND
-    [shared options] SCRIPT -- SCRIPT_ARGS` inside one; its exit status."""
-    check()
+    """Runs `keras-dist COMMAND [shared options] SCRIPT -- SCRIPT_ARGS` in a
+    new network namespace (`wanted` said so); its exit status."""
     args = list(command) + [
         "--grace-period", repr(float(grace_period)),
         "--start-timeout", repr(float(start_timeout or 0)),

@@ -12,6 +12,9 @@ keras-tuner for the process's role, so that a plain keras-tuner script (a
   directory, the chief's included, while the others use it);
 - a worker of a trial group (`--workers-per-trial M > 1`) refuses a tuner
   that cannot train one trial across the group, naming the fix;
+- every process carries the search's secret to the oracle and the chief
+  answers no call without it (`keras_dist.tuner._oracle`); it is taken out
+  of the environment before the script runs;
 - on a tuner worker, what the script prints after `search()` returns is
   dropped: the chief prints the results, once, as one process would; the
   chief's oracle shows one line per trial instead of keras-tuner's tables,
@@ -200,9 +203,26 @@ def _prepare(role: str, in_group: bool) -> None:
         _oracle.serve = _report_trials(_oracle.serve)
         kt.BaseTuner.__init__ = _prepare_chief(kt.BaseTuner.__init__)
     else:
+        kt.oracle_client.OracleClient.__init__ = _with_secret(
+            kt.oracle_client.OracleClient.__init__)
         kt.BaseTuner.__init__ = _prepare_worker(kt.BaseTuner.__init__, in_group)
         kt.BaseTuner.search = _quiet_after_search(kt.BaseTuner.search)
         kt.wrap_trial_runs(_active_in_trials)
+
+
+def _with_secret(init):
+    """Wraps keras-tuner's `OracleClient.__init__` (a plain keras-tuner
+    worker's client): its calls carry the search's secret."""
+    from keras_dist.tuner import _kt_compat as kt
+    from keras_dist.tuner import _oracle
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.stub = kt.protos.get_service_grpc().OracleStub(
+            _oracle.channel(_oracle.oracle_address()))
+
+    return __init__
 
 
 def _active_in_trials(run):
@@ -223,6 +243,14 @@ def _active_in_trials(run):
     return run_trial
 
 
+def _take_secret() -> None:
+    try:
+        from keras_dist.tuner import _oracle
+    except ImportError:
+        return  # no keras-tuner: the script fails on its own import of it
+    _oracle.take_secret()
+
+
 def main(argv: list[str]) -> None:
     module = argv[:1] == ["-m"]
     if module:
@@ -231,6 +259,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit(_USAGE)
     target, args = argv[0], argv[1:]
     role = "chief" if os.environ.get("KERASTUNER_TUNER_ID") == "chief" else "worker"
+    _take_secret()
     _prepare(role, in_group=bool(os.environ.get("TF_CONFIG")))
     sys.argv = [target, *args]
     if module:

@@ -168,10 +168,14 @@ def _common(command, kind: str) -> None:
                          help=f"the {kind} script is a module name (python -m)")
     command.add_argument("-v", "--verbose", action="store_true",
                          help="show TensorFlow's start-up lines and C++ INFO logs")
-    command.add_argument("--private-network", action="store_true",
-                         help="Linux: run the job in its own network namespace "
+    command.add_argument("--private-network", action=argparse.BooleanOptionalAction,
+                         default=None,
+                         help="run a local job in its own network namespace "
                          "(only a private loopback: nothing outside can reach "
-                         "the workers, nor can they reach the network)")
+                         "the workers, nor can they reach the network); the "
+                         "default where the machine can make one (Linux); "
+                         "--no-private-network gives the workers this host's "
+                         "network")
     command.add_argument("--start-timeout", type=float, default=300.0,
                          metavar="SECONDS",
                          help="stop the job when a worker of a multi-worker "

@@ -49,7 +49,7 @@ def test_signatures():
         "log_dir: 'str | None' = None, grace_period: 'float' = 5.0, "
         "module: 'bool' = False, port: 'int | None' = None, "
         "verbose: 'bool' = False, start_timeout: 'float | None' = 300.0, "
-        "hang_timeout: 'float | None' = 900.0, private_network: 'bool' = False, "
+        "hang_timeout: 'float | None' = 900.0, private_network: 'bool | None' = None, "
         "min_workers: 'int | None' = None, rejoin_after: 'float' = 60.0, "
         "rendezvous: 'str | None' = None) -> 'int'"
     )
@@ -60,7 +60,7 @@ def test_signatures():
         "grace_period: 'float' = 5.0, finish_timeout: 'float' = 300.0, "
         "module: 'bool' = False, verbose: 'bool' = False, "
         "start_timeout: 'float | None' = 300.0, "
-        "hang_timeout: 'float | None' = 900.0, private_network: 'bool' = False) -> 'int'"
+        "hang_timeout: 'float | None' = 900.0, private_network: 'bool | None' = None) -> 'int'"
     )
     assert signature(keras_dist.DistributedModel.__init__) == (
         "(self, *args, strategy: 'StrategySpec' = 'auto', "

@@ -407,7 +407,8 @@ def test_progress_lines_reach_the_console_with_log_dir(tmp_path, capfd):
      "rejoin_after": 7.5},
     {"hosts": "a:1,b:2", "rank": 1, "min_workers": 2, "rendezvous": "/shared/rz",
      "start_timeout": 1e-3},
-], ids=["defaults", "local elastic, every option", "multi-host elastic"])
+    {"num_workers": 2, "private_network": False},
+], ids=["defaults", "local elastic, every option", "multi-host elastic", "open network"])
 def test_a_launch_config_reads_back_from_its_command_line(options):
     """The network-namespace relaunch passes the job on as a command line:
     every option comes back the same (one serialisation, one parser)."""

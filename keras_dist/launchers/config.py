@@ -30,7 +30,7 @@ class LaunchConfig:
     verbose: bool = False
     start_timeout: float | None = 300.0
     hang_timeout: float | None = 900.0
-    private_network: bool = False
+    private_network: bool | None = None  # None: private where it can be made
     min_workers: int | None = None
     rejoin_after: float = 60.0
     rendezvous: str | None = None
@@ -50,7 +50,10 @@ class LaunchConfig:
             if name == "private_network" and private_network is not None:
                 value = private_network
             flag = "--" + name.replace("_", "-")
-            if isinstance(value, bool):
+            if name == "private_network":
+                if value is not None:
+                    args.append(flag if value else "--no-private-network")
+            elif isinstance(value, bool):
                 if value:
                     args.append(flag)
             elif name in ("start_timeout", "hang_timeout"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from collections.abc import Sequence
 
@@ -40,7 +41,7 @@ def launch_search(
     verbose: bool = False,
     start_timeout: float | None = 300.0,
     hang_timeout: float | None = 900.0,
-    private_network: bool = False,
+    private_network: bool | None = None,
 ) -> int:
     """Runs `script` as the chief and tuner workers of a search; supervises them.
 
@@ -94,8 +95,8 @@ def launch_search(
             may go without a step inside a trial. A tuner worker that hangs
             is stopped like one that died; a hung chief stops the search
             (exit status 124).
-        private_network: Boolean, default False: run the search in its own
-            network namespace (Linux; see `launch`).
+        private_network: True, False or None (the default: in its own
+            network namespace where the machine can make one); see `launch`.
 
     Returns:
         The chief's exit status: 0 when the search finished (even if some
@@ -116,7 +117,7 @@ def launch_search(
     _check(script, num_workers, workers_per_trial, port, log_dir,
            grace_period, finish_timeout, module)
     timeouts = _liveness.Timeouts.checked(start_timeout, hang_timeout)
-    if private_network and not _netns.inside():
+    if _netns.wanted(private_network, local=True, received="a local search"):
         return _netns.relaunch(
             ["tune", "--num-workers", str(num_workers),
              "--workers-per-trial", str(workers_per_trial),
@@ -126,11 +127,16 @@ def launch_search(
             start_timeout=start_timeout, hang_timeout=hang_timeout,
         )
     _netns.set_up_if_inside()
+    if workers_per_trial > 1 or _netns.inside():  # trial groups run TensorFlow servers
+        say(_netns.exposure(local=True, private_network=private_network))
     if port is None:
         port = _cluster.loopback_ports(1)[0]
     oracle = {
         "KERASTUNER_ORACLE_IP": "127.0.0.1",
         "KERASTUNER_ORACLE_PORT": str(port),
+        # The chief answers only calls that carry it: another local process
+        # cannot read the search space, take a trial or report a score.
+        "KERAS_DIST_ORACLE_SECRET": secrets.token_hex(32),
     }
     processes = [("chief", dict(oracle, KERASTUNER_TUNER_ID="chief", TF_CONFIG=None))]
     groups: dict[str, list[str]] = {}

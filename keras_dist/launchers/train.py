@@ -41,7 +41,7 @@ def launch(
     verbose: bool = False,
     start_timeout: float | None = 300.0,
     hang_timeout: float | None = 900.0,
-    private_network: bool = False,
+    private_network: bool | None = None,
     min_workers: int | None = None,
     rejoin_after: float = 60.0,
     rendezvous: str | None = None,
@@ -113,11 +113,15 @@ def launch(
             group gets to join its cluster; None: no limit.
         hang_timeout: Seconds (default 900) a worker may go without a step
             once it joined its cluster; None: no limit.
-        private_network: Boolean, default False. Local mode on Linux: run
-            the job in its own network namespace, whose only interface is a
-            private loopback. TensorFlow's servers listen on every interface
-            (it has no setting for that); in the namespace nothing outside
-            can reach them, and the workers cannot reach the network.
+        private_network: True, False or None (the default). TensorFlow's
+            servers listen on every interface (it has no setting for that).
+            A local job runs in its own network namespace, whose only
+            interface is a private loopback: nothing outside can reach its
+            workers, and the workers cannot reach the network. None: local
+            jobs get one where the machine can make one (Linux, `unshare`),
+            and the console says which; True: required (an error where it
+            cannot be made, or for a multi-host job); False: the workers
+            keep this host's network and can be reached from it.
         min_workers: Positive integer <= the job's workers, default None
             (no resizing): the fewest workers the job may continue on.
             Local mode, or multi-host mode with `rendezvous`.
@@ -160,21 +164,15 @@ def run(config: LaunchConfig) -> int:
     configs_for = _plan(config)
     _check_elastic(config)
     timeouts = _liveness.Timeouts.checked(config.start_timeout, config.hang_timeout)
-    if config.private_network and not _netns.inside():
-        if config.num_workers is None:
-            raise ValueError(
-                "Invalid value for argument `private_network`: it isolates a "
-                "local job (num_workers=N); a multi-host job needs the "
-                "network. Received: private_network=True with hosts="
-                f"{config.hosts!r}. Keep multi-host jobs on a private network or "
-                "behind a firewall."
-            )
-        _netns.check()
+    if _netns.wanted(config.private_network, local=config.num_workers is not None,
+                     received=f"hosts={config.hosts!r}"):
         return _netns.run_inside(config.command_line(private_network=False))
     _netns.set_up_if_inside()
     if config.log_dir:
         os.makedirs(config.log_dir, exist_ok=True)
     command = python_command(config.script, config.script_args, config.module)
+    say(_netns.exposure(local=config.num_workers is not None,
+                        private_network=config.private_network))
     if config.rendezvous is not None:
         host = ElasticHost(
             command, _cluster.parse_hosts(config.hosts), config.rank,

@@ -12,11 +12,19 @@ messages, its servicer, its client). What is added around them:
 - worker: the first contact waits at most `connect_timeout` for the chief,
   every call has a deadline of `call_timeout` (keras-tuner's is one hour),
   and while a trial runs a background thread calls `GetTrial` every
-  `heartbeat_interval` seconds.
+  `heartbeat_interval` seconds;
+- both: a search's secret. `keras-dist tune` draws one per search and hands
+  it to its own processes (`SECRET_ENV`); every call carries it, and the
+  chief answers no call without it (`UNAUTHENTICATED`), so another local
+  process cannot read the search space, take trials or report scores. With
+  no secret set (a chief started by hand) the oracle is open, as
+  keras-tuner's is.
 """
 
 from __future__ import annotations
 
+import collections
+import hmac
 import os
 import threading
 import time
@@ -26,6 +34,81 @@ import grpc
 
 from keras_dist.tuner import _kt_compat as kt
 from keras_dist.tuner._kt_compat import OracleServicer, synchronized
+
+SECRET_ENV = "KERAS_DIST_ORACLE_SECRET"
+_METADATA_KEY = "keras-dist-oracle-secret"
+_secret: str | None = None  # taken out of the environment by `take_secret`
+
+
+def take_secret() -> None:
+    """Moves the search's secret from the environment into this process, so
+    that what the user's script starts does not inherit it."""
+    global _secret
+    _secret = os.environ.pop(SECRET_ENV, None) or _secret
+
+
+def secret() -> str | None:
+    return _secret or os.environ.get(SECRET_ENV) or None
+
+
+class _RequireSecret(grpc.ServerInterceptor):
+    """Answers no call that does not carry the search's secret."""
+
+    def __init__(self, expected: str):
+        self._expected = expected.encode()
+        self._refused_peers: set[str] = set()
+
+        def refuse(request, context):
+            peer = context.peer()
+            if peer not in self._refused_peers:
+                self._refused_peers.add(peer)
+                _say(f"refused a call from {peer}: it did not carry this "
+                     "search's secret (only keras-dist tune's own processes "
+                     "have it)")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "keras_dist.tuner: this oracle answers only the processes of "
+                f"its own search, which carry its secret ({SECRET_ENV}, set by "
+                "keras-dist tune).",
+            )
+
+        self._refuse = grpc.unary_unary_rpc_method_handler(refuse)
+
+    def intercept_service(self, continuation, details):
+        given = dict(details.invocation_metadata or ()).get(_METADATA_KEY, "")
+        if hmac.compare_digest(str(given).encode(), self._expected):
+            return continuation(details)
+        return self._refuse
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _WithSecret(grpc.UnaryUnaryClientInterceptor):
+    """Adds the search's secret to every call."""
+
+    def __init__(self, value: str):
+        self._value = value
+
+    def intercept_unary_unary(self, continuation, details, request):
+        metadata = list(details.metadata or ()) + [(_METADATA_KEY, self._value)]
+        return continuation(_CallDetails(
+            details.method, details.timeout, metadata, details.credentials,
+            details.wait_for_ready, details.compression), request)
+
+
+def channel(address: str):
+    """A channel to the oracle whose calls carry this search's secret."""
+    plain = grpc.insecure_channel(address)
+    value = secret()
+    return grpc.intercept_channel(plain, _WithSecret(value)) if value else plain
 
 
 def oracle_address() -> str:
@@ -144,7 +227,9 @@ def _search_over(oracle) -> bool:
 def serve(oracle, *, worker_timeout: float, poll: float = 0.2) -> None:
     """Runs the oracle service at KERASTUNER_ORACLE_IP:PORT until the end."""
     address = oracle_address()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    value = secret()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                         interceptors=[_RequireSecret(value)] if value else None)
     servicer = _Servicer(oracle)
     kt.protos.get_service_grpc().add_OracleServicer_to_server(servicer, server)
     try:
@@ -242,7 +327,7 @@ class Client(kt.oracle_client.OracleClient):
         self.multi_worker = False
         self.should_report = True
         address = oracle_address()
-        self._channel = grpc.insecure_channel(address)
+        self._channel = channel(address)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
         except grpc.FutureTimeoutError:

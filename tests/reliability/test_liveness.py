@@ -232,7 +232,7 @@ def test_workers_die_with_a_killed_launcher(tmp_path, network):
     env.pop("TF_CONFIG", None)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    options = ["--private-network"] if network == "private" else []
+    options = ["--private-network" if network == "private" else "--no-private-network"]
     launcher = subprocess.Popen(
         [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2", *options,
          JOBS, "train", str(out_dir)],
