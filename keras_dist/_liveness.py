@@ -148,6 +148,15 @@ def _write() -> bool:
     return True
 
 
+def note_saved(backup_dir: str, epoch: int, step: int) -> None:
+    """A backup was saved before the process exits on a preemption signal:
+    written at once, so the launcher can say where the job resumes."""
+    if _path:
+        _state["saved"] = {"backup_dir": os.path.abspath(backup_dir), "epoch": epoch,
+                           "step": step}
+        _write()
+
+
 def step_begins() -> None:
     """A train / test / predict call starts (it may wait in a collective)."""
     if _path:

@@ -127,6 +127,9 @@ def run_inside(cli_args: list[str]) -> int:
     proc = subprocess.Popen(
         [*_unshare(), "--", sys.executable, "-m", "keras_dist.cli", *cli_args],
         env=env,
+        # Out of the terminal's process group: a Ctrl-C reaches it once,
+        # passed on from here (twice would mean "stop at once").
+        start_new_session=True,
     )
     previous = {}
 

@@ -23,6 +23,7 @@ from keras_dist import (
     _exit_codes,
     _fit_session,
     _keras_compat,
+    _liveness,
     _resume,
 )
 from keras_dist.callbacks import _callback_states as callback_states
@@ -636,6 +637,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._signals.restore()
             self._skipping.remove()
             self._selected = None
+            _liveness.note_saved(self.backup_dir, self._epoch + 1, self._step)
             if self._chief:
                 print(
                     "BackupAndRestore: preemption signal received; backup "

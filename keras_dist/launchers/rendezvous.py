@@ -344,13 +344,14 @@ class ElasticHost:
             self.rz.stop_beating()
 
     def _interrupted(self, signum: int) -> int:
-        say(f"received {signal.Signals(signum).name}: forwarding it to the worker "
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        say(f"received {name}: asking the worker to save a backup and exit "
             f"(grace period {self.grace_period:g}s); this host leaves the job")
         # Said before the worker saves: the peers' workers save with it and
         # exit 42 first, and the next generation must not count this host.
         self.rz.announce_leaving()
         if self.group is not None:
-            self.group.stop(signum)
+            self.group.stop(signal.SIGTERM)  # BackupAndRestore saves and exits 42
             # A preempted worker saved and exited 42: say so to the others.
             self.rz.record_exit(self.generation, self.group.workers[0].proc.returncode)
             self.group = None

@@ -60,7 +60,8 @@ class Outcome:
 # bind. Such starts are retried with fresh ports, not counted as restarts.
 _PORT_CONFLICT_MARKERS = ("Could not start gRPC server", "Address already in use")
 PORT_RETRIES = 3
-# How long a group asked to save and exit for a resize gets to do so.
+# How long a group asked to save and exit (for a resize, or on Ctrl-C or
+# SIGTERM to the launcher) gets to do so.
 RESIZE_SAVE_SECONDS = 60.0
 
 # Lines TensorFlow prints at every start that say nothing about the job (no
@@ -154,6 +155,29 @@ def forwarded_signals():
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _interrupted(name: str, codes, saved, at_once: bool, limit: float) -> str:
+    """The closing line of an interrupted job."""
+    if at_once:
+        return (f"interrupted: {name} twice, the workers were stopped at once, "
+                "without a save; run the same command again to resume from the "
+                "last backup saved before, if any")
+    if any(code is None for code in codes):
+        return (f"interrupted: the workers did not exit within {limit:g}s and were "
+                "stopped, without a save; run the same command again to resume "
+                "from the last backup saved before, if any")
+    if codes and all(code == 0 for code in codes):
+        return "interrupted: the workers exited with code 0"
+    if codes and all(code == PREEMPTED_EXIT_CODE for code in codes):
+        note = next((s for s in saved if s), None)
+        where = (f" in {note['backup_dir']} at epoch {note['epoch']}, step {note['step']}"
+                 if note else "")
+        return (f"interrupted: the workers saved a backup{where}; run the same "
+                "command again to resume from there")
+    return ("interrupted: the workers stopped without a save (no keras_dist "
+            "BackupAndRestore was training); run the same command again to "
+            "start over, or resume from the script's own checkpoints")
 
 
 def _in_cluster(tf_config: str | None) -> bool:
@@ -327,16 +351,36 @@ class Group:
             time.sleep(0.05)
 
     def _on_interrupt(self, interrupt: list[int]) -> Outcome | None:
+        """Ctrl-C or SIGTERM to the launcher: the workers are asked to save
+        and exit (SIGTERM: `BackupAndRestore` saves at the next step on every
+        worker and exits 42; a worker without one just ends); a second
+        signal stops them at once. The last line says which happened and
+        what to run next."""
         if not interrupt:
             return None
         signum = interrupt[0]
-        say(
-            f"received {signal.Signals(signum).name}: forwarding it to "
-            f"the workers (grace period {self.grace_period:g}s)"
-        )
-        self.stop(signum)
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        limit = max(self.grace_period, RESIZE_SAVE_SECONDS)
+        say(f"received {name}: asking the workers to save a backup at their next "
+            f"step and exit (up to {limit:g}s; {name} again stops them at once)")
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + limit
+        at_once = False
+        while any(w.proc.poll() is None for w in self.workers):
+            if len(interrupt) > 1:
+                at_once = True
+                break
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        codes = [w.proc.poll() for w in self.workers]
+        saved = [(_liveness.read(w.watch.heartbeat) or {}).get("saved") if w.watch else None
+                 for w in self.workers]
+        if at_once:
+            self.signal_all(signal.SIGKILL)
+        self.stop()  # what is left, after the grace period
+        say(_interrupted(name, codes, saved, at_once, limit))
         return Outcome(128 + signum, "interrupted", interrupted=True)
-
     def _on_failure(self) -> Outcome | None:
         """The first worker that exited with an error stops the group."""
         for worker in self.workers:

@@ -4,11 +4,16 @@
   resumed job ends at the uninterrupted run's weights with every sample
   trained exactly once per epoch.
 - SIGKILL inside a backup save, at each stage of writing it: the same.
+- Ctrl-C on the launcher: the workers save at their next step and exit, the
+  console ends with where to resume, and the rerun is the uninterrupted
+  run; Ctrl-C twice stops everything at once.
 """
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -21,6 +26,7 @@ from multi_worker.test_backup_jobs import (
     max_diff,
     run_single,
     surviving_steps,
+    uninterrupted,
     weights,
 )
 
@@ -101,3 +107,90 @@ def test_a_kill_inside_a_save_loses_nothing(tmp_path, reference, stage):
     assert len(runs) == 2
     check_each_sample_once(kept, EPOCHS)
     assert not os.path.exists(backup)
+
+
+def start_paced(job, backup, sleep):
+    """A launched 2-worker job whose steps are paced (`sleep` s after each),
+    once both workers have trained 2 steps."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2",
+         SCRIPT, str(job), str(backup), "freq=epoch", f"sleep={sleep}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        trained = [sum(1 for line in open(f) if not line.startswith("start"))
+                   if f.exists() else 0 for f in (job / "ids-rank0.txt", job / "ids-rank1.txt")]
+        if min(trained) >= 2:
+            return proc
+        time.sleep(0.1)
+    proc.kill()
+    pytest.fail(f"the job never trained 2 steps:\n{proc.communicate()[0]}")
+
+
+def job_processes(job) -> list[int]:
+    """Processes still running with the job's directory on their command line."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if str(job).encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_ctrl_c_saves_and_the_rerun_resumes_exactly(tmp_path):
+    job, backup = tmp_path / "job", tmp_path / "backup"
+    job.mkdir()
+    proc = start_paced(job, backup, sleep=0.5)
+    proc.send_signal(signal.SIGINT)  # Ctrl-C: the terminal signals the launcher
+    out1, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, out1
+    launcher = [line for line in out1.splitlines() if line.startswith("[keras-dist] ")]
+    assert launcher[-2].startswith(
+        "[keras-dist] received Ctrl-C: asking the workers to save a backup at their next "
+        "step and exit (up to 60s; Ctrl-C again stops them at once)"), out1
+    assert launcher[-1].startswith(
+        f"[keras-dist] interrupted: the workers saved a backup in {backup} at epoch 1, "
+        "step "), out1
+    assert launcher[-1].endswith("; run the same command again to resume from there"), out1
+    assert "Traceback" not in out1 and "KeyboardInterrupt" not in out1, out1
+    saved_step = int(launcher[-1].split("step ")[1].split(";")[0])
+    assert f"backup saved at epoch 1, step {saved_step}." in out1
+    # The same command again: resumes after the last trained step, and ends
+    # at the uninterrupted run's weights, each sample trained once per epoch.
+    (job / "unpaced").touch()
+    code, out2 = launch(job, backup, "freq=epoch")
+    assert code == 0, out2
+    assert f"restored {backup}" in out2 and f"(epoch 1, step {saved_step})" in out2, out2
+    reference = uninterrupted(tmp_path, "freq=epoch")
+    for rank in (0, 1):
+        assert max_diff(reference, weights(job / f"rank{rank}.npz")) < 1e-6
+    kept, runs = surviving_steps(job / "ids-rank0.txt", [rank0(out1), rank0(out2)])
+    assert len(runs) == 2 and len(runs[0]) == saved_step  # no step trained twice
+    check_each_sample_once(kept, EPOCHS)
+
+
+def test_ctrl_c_twice_stops_everything_at_once(tmp_path):
+    job, backup = tmp_path / "job", tmp_path / "backup"
+    job.mkdir()
+    # Each step is followed by 30 s: the save asked by the first Ctrl-C
+    # would wait for the next step; the second stops the job at once.
+    proc = start_paced(job, backup, sleep=30)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    second = time.monotonic()
+    out, _ = proc.communicate(timeout=60)
+    stopped_after = time.monotonic() - second
+    assert proc.returncode == 128 + signal.SIGINT, out
+    assert stopped_after < 2, (stopped_after, out)
+    assert out.rstrip().splitlines()[-1] == (
+        "[keras-dist] interrupted: Ctrl-C twice, the workers were stopped at once, "
+        "without a save; run the same command again to resume from the last backup "
+        "saved before, if any"), out
+    assert job_processes(job) == []
