@@ -109,7 +109,8 @@ def test_one_failure_stops_the_group(tmp_path, capfd, code):
     else:
         assert status == 128 + signal.SIGKILL
         assert "worker 1 was killed by SIGKILL" in err
-    assert "last lines of worker 1's output:\nabout to fail" in err
+    assert "last lines of worker 1's output (all of it in " in err
+    assert "worker-1.log):\nabout to fail" in err
     assert elapsed < 60  # the sleeping workers were stopped, not waited for
 
 
@@ -361,6 +362,66 @@ def test_fixed_port(tmp_path):
     assert config["cluster"]["worker"] == [f"127.0.0.1:{first}", f"127.0.0.1:{first + 1}"]
 
 
+LOSES_ITS_PEER = """
+import json, os, signal, sys, time
+rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+out, when = sys.argv[1], sys.argv[2]
+dying = os.path.join(out, "dying")
+
+def lost_peer(*_):
+    # What a worker prints when the peer it trains with is gone: a long
+    # gRPC traceback, then an error exit.
+    print("Traceback (most recent call last):", flush=True)
+    for i in range(100):
+        print(f'  File "collective_ops.py", line {i}, in all_reduce', flush=True)
+    print("tensorflow.python.framework.errors_impl.UnavailableError: Collective ops "
+          "is aborted by: Connection reset by peer", flush=True)
+    sys.exit(1)
+
+if rank == 1:
+    print("training", flush=True)
+    time.sleep(1.0)
+    print("worker 1 dies now", flush=True)
+    open(dying, "w").close()
+    os.kill(os.getpid(), signal.SIGKILL)
+if when == "on-stop":  # fails as the launcher stops it
+    signal.signal(signal.SIGTERM, lost_peer)
+    time.sleep(300)
+while not os.path.exists(dying):  # notices the loss as soon as it happens
+    time.sleep(0.001)
+lost_peer()
+"""
+
+
+@pytest.mark.parametrize("when", ["at-once", "on-stop"])
+def test_the_cause_comes_first_and_the_lost_peer_in_one_line(tmp_path, when):
+    # Worker 1 is SIGKILLed; worker 0 prints 102 lines of gRPC errors, as
+    # soon as its peer dies or as the launcher stops it. The console: the
+    # cause first, the consequence in one line, all of it in a few lines.
+    job = script(tmp_path, LOSES_ITS_PEER)
+    done = subprocess.run(
+        [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2",
+         job, str(tmp_path), when],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120,
+    )
+    assert done.returncode == 128 + signal.SIGKILL, done.stdout
+    lines = done.stdout.splitlines()
+    first = next(i for i, line in enumerate(lines) if "[keras-dist] worker" in line)
+    assert lines[first] == "[keras-dist] worker 1 was killed by SIGKILL; stopping the other workers"
+    assert len(lines) - first <= 15, done.stdout
+    assert not any("collective_ops.py" in line for line in lines), done.stdout
+    summary = [line for line in lines if line.startswith("[keras-dist] worker 0 lost its peer: ")]
+    assert len(summary) == 1, done.stdout
+    assert summary[0].startswith(
+        "[keras-dist] worker 0 lost its peer: tensorflow.python.framework.errors_impl."
+        "UnavailableError: Collective ops is aborted by: Connection reset by peer (102 lines, "
+        "all of its output in "), summary
+    log = summary[0].rsplit(" in ", 1)[1].rstrip(")")
+    assert open(log).read().count("collective_ops.py") == 100  # all of it, in the file
+    assert lines[-1] == "[keras-dist] job failed: worker 1 was killed by SIGKILL"
+    assert "worker 1 dies now" in "\n".join(lines[first:])  # its own last lines
+
+
 NOISY = """
 import sys
 sys.stderr.write("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\\n")
@@ -384,7 +445,7 @@ def test_start_up_noise_is_hidden_unless_verbose(tmp_path, capfd):
     # A failed worker's report has its last lines, without the noise.
     assert keras_dist.launch(job, ["3"], num_workers=1) == 3
     err = capfd.readouterr().err
-    assert "last lines of worker 0's output:" in err and "epoch 1 done" in err
+    assert "last lines of worker 0's output (all of it in" in err and "epoch 1 done" in err
     assert "cuInit" not in err
 
     assert keras_dist.launch(job, ["0"], num_workers=1, verbose=True) == 0

@@ -26,6 +26,24 @@ from dataclasses import dataclass, field
 from keras_dist import _cluster, _exit_codes, _liveness
 
 _TAIL_LINES = 40
+# A failed worker's report on the console: its last lines (all of them are
+# in its log file).
+_SHOWN_LINES = 10
+# Output kept per worker without a log directory, written to a file when
+# the worker fails (the console shows a few lines and names the file).
+_KEPT_LINES = 5000
+# A traceback on the console waits this long, or for its worker's exit: a
+# worker that lost its peer prints one as the launcher stops the group, and
+# it is then summed up in one line instead of filling the console.
+_HOLD_SECONDS = 1.0
+_TRACEBACK = "Traceback (most recent call last):"
+# What a worker prints when a peer it trains with died or was stopped: the
+# consequence of another worker's failure, not its cause.
+_LOST_PEER_MARKERS = (
+    "UnavailableError", "Connection reset by peer", "failed to connect to all addresses",
+    "Socket closed", "Connection refused", "CancelledError", "Broken pipe",
+    "peer", "Peer",
+)
 HANG_EXIT_CODE = _exit_codes.HANG
 PREEMPTED_EXIT_CODE = _exit_codes.PREEMPTED
 
@@ -44,6 +62,12 @@ class Worker:
     )
     reader: threading.Thread | None = None
     watch: _liveness.Watch | None = None
+    # Every line (without a log directory: for the file a failure names).
+    output: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=_KEPT_LINES)
+    )
+    held: list = field(default_factory=list)  # console lines held back
+    held_since: float | None = None
 
 
 @dataclass
@@ -180,6 +204,20 @@ def _interrupted(name: str, codes, saved, at_once: bool, limit: float) -> str:
             "start over, or resume from the script's own checkpoints")
 
 
+def lost_peer(worker: Worker) -> bool:
+    """Whether a worker's failure reads as the loss of a peer (an error
+    exit after a gRPC or collective error), not a cause of its own."""
+    code = worker.proc.poll()
+    if code is None or code <= 0 or code == PREEMPTED_EXIT_CODE:
+        return False
+    return _reads_as_lost_peer(worker)
+
+
+def _reads_as_lost_peer(worker: Worker) -> bool:
+    text = "".join(worker.held) or "".join(worker.tail)
+    return any(marker in text for marker in _LOST_PEER_MARKERS)
+
+
 def _in_cluster(tf_config: str | None) -> bool:
     """Whether a process's TF_CONFIG makes it one of several workers."""
     cluster = _cluster.parse_tf_config(tf_config) if tf_config else None
@@ -190,13 +228,16 @@ class Group:
     """One generation of worker processes, supervised together."""
 
     def __init__(self, command, processes, log_dir, grace_period, verbose=False,
-                 annotate=None, timeouts=None):
+                 annotate=None, timeouts=None, hold_tracebacks=False):
         """Starts `python -u *command` once per process.
 
         `processes`: (label, environment variables to set) per process.
         `annotate(group, label, line)`: may rewrite a progress line before it
         is shown. `timeouts`: the liveness limits (`_liveness.Timeouts`).
+        `hold_tracebacks`: the group is supervised by `wait`, which says the
+        first failure's cause first and sums up the others' in a line each.
         """
+        self.hold_tracebacks = hold_tracebacks
         self.grace_period = grace_period
         self.workers: list[Worker] = []
         self.lock = threading.Lock()
@@ -208,6 +249,8 @@ class Group:
         self.heartbeats = tempfile.mkdtemp(prefix=_liveness.FOLDER_PREFIX)
         self._next_check = 0.0
         self._training_since = None  # when every worker had made a step
+        self.failed = False  # from then on, the others' output stays off the console
+        self._log_copies = None  # where output is written for a report, without log_dir
         for label, variables in processes:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             env[_cluster.LAUNCHED_ENV] = "1"
@@ -260,7 +303,10 @@ class Group:
                     log.flush()
                     show = line.startswith(_PROGRESS_PREFIX)
                 else:
+                    worker.output.append(line)
                     show = not noise
+                if show and self._hold(worker, line):
+                    continue
                 if show:
                     if self.annotate is not None and line.startswith(_PROGRESS_PREFIX):
                         line = self.annotate(self, worker.label, line)
@@ -270,6 +316,61 @@ class Group:
         finally:
             if log is not None:
                 log.close()
+
+    def _hold(self, worker: Worker, line: str) -> bool:
+        """Keeps a console line back: from a traceback on (until its worker
+        exits, or `_HOLD_SECONDS`), and every line once a worker failed."""
+        if not self.hold_tracebacks or (line.startswith(_PROGRESS_PREFIX) and not self.failed):
+            return False
+        with self.lock:
+            if not (self.failed or worker.held or line.startswith(_TRACEBACK)):
+                return False
+            worker.held.append(line)
+            if worker.held_since is None:
+                worker.held_since = time.monotonic()
+            return True
+
+    def release_held(self, everything: bool = False) -> None:
+        """Shows held lines of a worker that is still running after
+        `_HOLD_SECONDS` (a traceback it printed and went on), or of every
+        worker (`everything`: the group succeeded)."""
+        if self.failed:
+            return
+        now = time.monotonic()
+        with self.lock:
+            for worker in self.workers:
+                if worker.held and (everything or (
+                        worker.proc.poll() is None and now - worker.held_since > _HOLD_SECONDS)):
+                    sys.stdout.write("".join(f"[{worker.label}] {line}" for line in worker.held))
+                    sys.stdout.flush()
+                    worker.held, worker.held_since = [], None
+
+    def log_file(self, worker: Worker) -> str:
+        """Where all of `worker`'s output is: its log file, or a copy of
+        what it printed, written now."""
+        name = f"{worker.label.replace(' ', '-')}.log"
+        if self.log_dir:
+            return os.path.join(self.log_dir, name)
+        if self._log_copies is None:
+            self._log_copies = tempfile.mkdtemp(prefix="keras_dist_logs_")
+        path = os.path.join(self._log_copies, name)
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(list(worker.output))
+        return path
+
+    def last_lines(self, worker: Worker) -> str:
+        """A failed worker's last lines for the console, and where the rest is."""
+        lines = "".join(list(worker.tail)[-_SHOWN_LINES:]).rstrip()
+        return (f"last lines of {worker.label}'s output (all of it in "
+                f"{self.log_file(worker)}):\n{lines}")
+
+    def consequence(self, worker: Worker) -> str:
+        """One line for a worker that failed after the first failure."""
+        held = [line.strip() for line in worker.held if line.strip()]
+        last = held[-1] if held else "no output"
+        what = "lost its peer" if _reads_as_lost_peer(worker) else "failed too"
+        return (f"{worker.label} {what}: {last[:200]} ({len(held)} lines, all of "
+                f"its output in {self.log_file(worker)})")
 
     def signal_all(self, signum: int) -> None:
         _signal(self.workers, signum)
@@ -314,7 +415,7 @@ class Group:
             if w is not worker and w.watch is not None and w.proc.poll() is None
         ]
         say(f"{reason}" + (f" (others: {'; '.join(others)})" if others else ""))
-        say(f"last lines of {worker.label}'s output:\n{''.join(worker.tail).rstrip()}")
+        say(self.last_lines(worker))
         return reason
 
     def stopped_peer(self, failed) -> str:
@@ -339,6 +440,7 @@ class Group:
         at another size.
         """
         while True:
+            self.release_held()
             outcome = (
                 self._on_interrupt(interrupt)
                 or self._on_failure()
@@ -382,36 +484,45 @@ class Group:
         say(_interrupted(name, codes, saved, at_once, limit))
         return Outcome(128 + signum, "interrupted", interrupted=True)
     def _on_failure(self) -> Outcome | None:
-        """The first worker that exited with an error stops the group."""
-        for worker in self.workers:
-            code = worker.proc.poll()
-            if code in (None, 0):
-                continue
+        """A worker that exited with an error stops the group. The cause is
+        said first: a worker that failed on its own (a signal, an error of
+        its own) before one that only lost its peer; the others' failures
+        that follow are one line each."""
+        failed = [w for w in self.workers if w.proc.poll() not in (None, 0)]
+        if not failed:
+            return None
+        self.failed = True
+        for worker in failed:
             worker.reader.join(timeout=2)
-            reason = f"{worker.label} {describe_exit(code)}"
-            if code == PREEMPTED_EXIT_CODE:
-                reason += " (preempted: it saved a backup)"
-                # The others agreed to save and exit too: let them.
-                await_exit(self.workers, self.grace_period)
-            cause = self.stopped_peer(worker)
-            if cause:
-                reason = f"{cause}; {reason} (its peer stopped answering)"
-            say(f"{reason}; stopping the other workers")
-            self.stop()
-            tail = "".join(worker.tail)
-            say(f"last lines of {worker.label}'s output:\n{tail.rstrip()}")
-            return Outcome(
-                HANG_EXIT_CODE if cause else exit_status(code),
-                reason,
-                port_conflict=any(m in tail for m in _PORT_CONFLICT_MARKERS),
-            )
-        return None
+        worker = min(failed, key=lambda w: (lost_peer(w), self.workers.index(w)))
+        code = worker.proc.poll()
+        reason = f"{worker.label} {describe_exit(code)}"
+        if code == PREEMPTED_EXIT_CODE:
+            reason += " (preempted: it saved a backup)"
+            # The others agreed to save and exit too: let them.
+            await_exit(self.workers, self.grace_period)
+        cause = self.stopped_peer(worker)
+        if cause:
+            reason = f"{cause}; {reason} (its peer stopped answering)"
+        say(f"{reason}; stopping the other workers")
+        self.stop()
+        tail = "".join(worker.tail)
+        say(self.last_lines(worker))
+        for other in self.workers:
+            if other is not worker and other.held:
+                say(self.consequence(other))
+        return Outcome(
+            HANG_EXIT_CODE if cause else exit_status(code),
+            reason,
+            port_conflict=any(m in tail for m in _PORT_CONFLICT_MARKERS),
+        )
 
     def _on_success(self) -> Outcome | None:
         if any(w.proc.poll() != 0 for w in self.workers):
             return None
         for worker in self.workers:
             worker.reader.join(timeout=5)
+        self.release_held(everything=True)
         notice = self.no_cluster_notice()
         if notice:
             say(notice)

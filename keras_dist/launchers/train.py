@@ -249,7 +249,7 @@ class _Job:
             + (f" (output in {self.log_dir}/worker-<rank>.log)" if self.log_dir else "")
         )
         return Group(self.command, processes, self.log_dir, self.grace_period,
-                     self.verbose, timeouts=self.timeouts)
+                     self.verbose, timeouts=self.timeouts, hold_tracebacks=True)
 
     def _carry_out(self, decision: policy.LocalDecision, code: int):
         if decision.action == "resize":
