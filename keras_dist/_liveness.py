@@ -51,6 +51,9 @@ _MAIN = threading.main_thread().ident
 _thread: threading.Thread | None = None
 
 
+# A wait longer than this (a worker for its peers) is said once on the console.
+WAIT_NOTICE_AFTER = 10.0
+
 # -- in the worker -------------------------------------------------------------
 
 
@@ -281,6 +284,13 @@ class Watch:
         self.quiet_since: float | None = None  # stopped, or silent with no CPU use
         self.quiet_cpu: float | None = None
         self.last: dict | None = None
+
+    def waiting(self) -> float | None:
+        """Seconds a worker of a multi-worker group has waited for the other
+        workers to join its cluster, if it waits now (it started joining)."""
+        if not self.multi_worker or self._joined() or not (self.last or {}).get("joining"):
+            return None
+        return time.time() - self.started
 
     def check(self) -> tuple[int, str] | None:
         """(how likely the cause, lowest first; what is wrong), or None.

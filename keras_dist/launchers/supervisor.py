@@ -204,6 +204,14 @@ def _interrupted(name: str, codes, saved, at_once: bool, limit: float) -> str:
             "start over, or resume from the script's own checkpoints")
 
 
+def _not_joining(worker: Worker) -> str:
+    if worker.proc.poll() is not None:
+        return "exited"
+    if worker.watch.last is None:
+        return "keras_dist not imported yet"
+    return "no multi-worker strategy created yet"
+
+
 def lost_peer(worker: Worker) -> bool:
     """Whether a worker's failure reads as the loss of a peer (an error
     exit after a gRPC or collective error), not a cause of its own."""
@@ -250,6 +258,7 @@ class Group:
         self._next_check = 0.0
         self._training_since = None  # when every worker had made a step
         self.failed = False  # from then on, the others' output stays off the console
+        self._told_waiting = False
         self._log_copies = None  # where output is written for a report, without log_dir
         for label, variables in processes:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -393,6 +402,7 @@ class Group:
                 problem = worker.watch.check()
                 if problem:
                     found.append((problem[0], index, worker, problem[1]))
+        self._tell_waits(workers if workers is not None else self.workers)
         if not found:
             return None
         rank, _, worker, problem = min(found, key=lambda f: f[:2])
@@ -406,6 +416,26 @@ class Group:
                 if stalled:
                     return other, stalled[1]
         return worker, problem
+
+    def _tell_waits(self, workers) -> None:
+        """Says once that workers have waited long for their peers to join
+        the cluster, and which peers are not joining yet."""
+        if self._told_waiting:
+            return
+        waits = [(w.label, w.watch.waiting()) for w in workers
+                 if w.watch is not None and w.proc.poll() is None]
+        waits = [(label, waited) for label, waited in waits if waited is not None]
+        if not waits or max(waited for _, waited in waits) < _liveness.WAIT_NOTICE_AFTER:
+            return
+        self._told_waiting = True
+        behind = [f"{w.label} ({_not_joining(w)})" for w in self.workers
+                  if w.watch is not None and not (w.watch.last or {}).get("joining")
+                  and not (w.watch.last or {}).get("joined")]
+        limit = self.timeouts.start
+        say(f"{', '.join(label for label, _ in waits)} waited "
+            f"{max(waited for _, waited in waits):.0f}s for the other workers to join the "
+            "cluster" + (f"; not joining yet: {', '.join(behind)}" if behind else "")
+            + (f"; the job stops at --start-timeout {limit:g}s" if limit else ""))
 
     def report_hang(self, worker, problem: str) -> str:
         """Says which worker hangs and how, with its last lines."""

@@ -36,6 +36,7 @@ from keras_dist.tuner import _kt_compat as kt
 from keras_dist.tuner._kt_compat import OracleServicer, synchronized
 
 SECRET_ENV = "KERAS_DIST_ORACLE_SECRET"
+_WAIT_NOTICE_AFTER = 10.0  # a longer wait for the chief is said once
 _METADATA_KEY = "keras-dist-oracle-secret"
 _secret: str | None = None  # taken out of the environment by `take_secret`
 
@@ -328,8 +329,16 @@ class Client(kt.oracle_client.OracleClient):
         self.should_report = True
         address = oracle_address()
         self._channel = channel(address)
+        ready = grpc.channel_ready_future(self._channel)
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
+            try:
+                ready.result(timeout=min(connect_timeout, _WAIT_NOTICE_AFTER))
+            except grpc.FutureTimeoutError:
+                if connect_timeout <= _WAIT_NOTICE_AFTER:
+                    raise
+                _say(f"waiting for the oracle at {address} (the chief) to answer, up "
+                     f"to connect_timeout={connect_timeout:g}s")
+                ready.result(timeout=connect_timeout - _WAIT_NOTICE_AFTER)
         except grpc.FutureTimeoutError:
             self._channel.close()
             raise ConnectionError(

@@ -39,6 +39,21 @@ def children(pid):
     return found
 
 
+def workers_of(launcher):
+    """The live worker processes of a launcher: its children, or, for a local
+    job in its own network namespace (the default), those of the launcher
+    it runs inside the namespace."""
+    found = []
+    for pid in children(launcher):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                inner = b"keras_dist.cli" in f.read()
+        except OSError:
+            continue
+        found += workers_of(pid) if inner else [pid]
+    return found
+
+
 class ElasticJob:
     """A `keras-dist launch` of backup_main.py, disturbed from outside."""
 
@@ -73,7 +88,7 @@ class ElasticJob:
 
     def workers(self) -> list[int]:
         """The launcher's live worker processes."""
-        return children(self.proc.pid)
+        return workers_of(self.proc.pid)
 
     def steps_recorded(self) -> int:
         if not self.ids.exists():
@@ -326,7 +341,7 @@ def test_hosts_agree_through_a_rendezvous_directory(tmp_path):
 
     try:
         wait_until(lambda: steps() >= 2, "the first steps")
-        for pid in children(launchers[0].pid):
+        for pid in workers_of(launchers[0].pid):
             os.kill(pid, signal.SIGKILL)
         launchers[0].kill()
         launchers[0].wait()

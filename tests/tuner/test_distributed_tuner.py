@@ -130,6 +130,24 @@ def test_unreachable_oracle_fails_within_connect_timeout(tmp_path):
     assert time.monotonic() - start < 30
 
 
+def test_a_long_wait_for_the_oracle_is_said_once(tmp_path, monkeypatch, capsys):
+    from keras_dist.tuner import _oracle
+
+    monkeypatch.setattr(_oracle, "_WAIT_NOTICE_AFTER", 0.5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"KERASTUNER_TUNER_ID": "tuner0", "KERASTUNER_ORACLE_IP": "127.0.0.1",
+           "KERASTUNER_ORACLE_PORT": str(port)}
+    with mock.patch.dict("os.environ", env):
+        with pytest.raises(ConnectionError, match="connect_timeout=2s"):
+            RandomSearch(build_model, objective="loss", max_trials=1,
+                         directory=tmp_path, project_name="p", connect_timeout=2)
+    out = capsys.readouterr().out
+    assert out.count(f"waiting for the oracle at 127.0.0.1:{port} (the chief) to answer, "
+                     "up to connect_timeout=2s") == 1, out
+
+
 def test_mixin_on_a_user_tuner(tmp_path):
     class Search(DistributedTuner, keras_tuner.GridSearch):
         pass
