@@ -51,7 +51,8 @@ _MAIN = threading.main_thread().ident
 _thread: threading.Thread | None = None
 
 
-# A wait longer than this (a worker for its peers) is said once on the console.
+# A wait longer than this (a worker for its peers, once it started joining;
+# a quarter of --start-timeout if that is shorter) is said once on the console.
 WAIT_NOTICE_AFTER = 10.0
 
 # -- in the worker -------------------------------------------------------------
@@ -284,13 +285,18 @@ class Watch:
         self.quiet_since: float | None = None  # stopped, or silent with no CPU use
         self.quiet_cpu: float | None = None
         self.last: dict | None = None
+        self.joining_since: float | None = None  # first seen joining
 
     def waiting(self) -> float | None:
         """Seconds a worker of a multi-worker group has waited for the other
-        workers to join its cluster, if it waits now (it started joining)."""
+        workers to join its cluster (since its heartbeat first said it was
+        joining), if it waits now."""
         if not self.multi_worker or self._joined() or not (self.last or {}).get("joining"):
+            self.joining_since = None
             return None
-        return time.time() - self.started
+        if self.joining_since is None:
+            self.joining_since = time.time()
+        return time.time() - self.joining_since
 
     def check(self) -> tuple[int, str] | None:
         """(how likely the cause, lowest first; what is wrong), or None.

@@ -425,13 +425,14 @@ class Group:
         waits = [(w.label, w.watch.waiting()) for w in workers
                  if w.watch is not None and w.proc.poll() is None]
         waits = [(label, waited) for label, waited in waits if waited is not None]
-        if not waits or max(waited for _, waited in waits) < _liveness.WAIT_NOTICE_AFTER:
+        limit = self.timeouts.start
+        after = min(_liveness.WAIT_NOTICE_AFTER, limit / 4) if limit else _liveness.WAIT_NOTICE_AFTER
+        if not waits or max(waited for _, waited in waits) < after:
             return
         self._told_waiting = True
         behind = [f"{w.label} ({_not_joining(w)})" for w in self.workers
                   if w.watch is not None and not (w.watch.last or {}).get("joining")
                   and not (w.watch.last or {}).get("joined")]
-        limit = self.timeouts.start
         say(f"{', '.join(label for label, _ in waits)} waited "
             f"{max(waited for _, waited in waits):.0f}s for the other workers to join the "
             "cluster" + (f"; not joining yet: {', '.join(behind)}" if behind else "")
@@ -513,6 +514,7 @@ class Group:
         self.stop()  # what is left, after the grace period
         say(_interrupted(name, codes, saved, at_once, limit))
         return Outcome(128 + signum, "interrupted", interrupted=True)
+
     def _on_failure(self) -> Outcome | None:
         """A worker that exited with an error stops the group. The cause is
         said first: a worker that failed on its own (a signal, an error of
