@@ -79,3 +79,29 @@ def test_missing_module(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="no module of that name"):
         keras_dist.launch_search("not_a_module_here", num_workers=1, module=True)
+
+
+def test_ctrl_c_stops_the_search_quietly_and_says_how_to_resume(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    job = tmp_path / "search.py"
+    job.write_text("import time\nprint('ready', flush=True)\ntime.sleep(300)\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "keras_dist.cli", "tune", "--num-workers", "2", str(job)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines = []
+    while sum("ready" in line for line in lines) < 3:  # the chief and 2 tuner workers
+        line = proc.stdout.readline()
+        assert line, "".join(lines)
+        lines.append(line)
+    proc.send_signal(signal.SIGINT)
+    out = "".join(lines) + proc.communicate(timeout=60)[0]
+    assert proc.returncode == 128 + signal.SIGINT, out
+    assert "[keras-dist] received Ctrl-C: stopping the chief and the tuner workers" in out
+    assert out.rstrip().splitlines()[-1] == (
+        "[keras-dist] interrupted: run the same command again with overwrite=False in the "
+        "tuner to resume the search (trials that were running start over)"), out
+    assert "KeyboardInterrupt" not in out and "Traceback" not in out, out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import time
 from collections.abc import Sequence
 
@@ -221,8 +222,14 @@ class _SearchSupervisor:
         if not self.interrupt:
             return None
         signum = self.interrupt[0]
-        say(f"received signal {signum}: forwarding it to every process")
-        self.group.stop(signum)
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        say(f"received {name}: stopping the chief and the tuner workers")
+        # SIGTERM, not the signal itself: the processes end without a
+        # KeyboardInterrupt traceback each; the oracle was saved after every
+        # ended trial, the running ones are trained again on resume.
+        self.group.stop(signal.SIGTERM)
+        say("interrupted: run the same command again with overwrite=False in the "
+            "tuner to resume the search (trials that were running start over)")
         return 128 + signum
 
     def on_chief_exit(self) -> int | None:

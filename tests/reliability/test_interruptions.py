@@ -109,21 +109,21 @@ def test_a_kill_inside_a_save_loses_nothing(tmp_path, reference, stage):
     assert not os.path.exists(backup)
 
 
-def start_paced(job, backup, sleep):
+def start_paced(job, backup, sleep, freq="epoch", steps=2):
     """A launched 2-worker job whose steps are paced (`sleep` s after each),
-    once both workers have trained 2 steps."""
+    once both workers have trained `steps` steps."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "keras_dist.cli", "launch", "--num-workers", "2",
-         SCRIPT, str(job), str(backup), "freq=epoch", f"sleep={sleep}"],
+         SCRIPT, str(job), str(backup), f"freq={freq}", f"sleep={sleep}"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         trained = [sum(1 for line in open(f) if not line.startswith("start"))
                    if f.exists() else 0 for f in (job / "ids-rank0.txt", job / "ids-rank1.txt")]
-        if min(trained) >= 2:
+        if min(trained) >= steps:
             return proc
         time.sleep(0.1)
     proc.kill()
@@ -194,3 +194,28 @@ def test_ctrl_c_twice_stops_everything_at_once(tmp_path):
         "without a save; run the same command again to resume from the last backup "
         "saved before, if any"), out
     assert job_processes(job) == []
+
+
+def test_after_the_launcher_is_killed_the_rerun_resumes_exactly(tmp_path):
+    # SIGKILL of the launcher (the OOM killer, a lost login shell) mid-epoch
+    # 2: its workers end with it, and the same command again resumes from
+    # the last backup to the uninterrupted run's weights.
+    job, backup = tmp_path / "job", tmp_path / "backup"
+    job.mkdir()
+    proc = start_paced(job, backup, sleep=0.3, freq=2, steps=9)
+    proc.kill()
+    out1, _ = proc.communicate(timeout=30)
+    deadline = time.monotonic() + 5
+    while job_processes(job) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert job_processes(job) == []  # no worker trains on, writing backups
+    (job / "unpaced").touch()
+    code, out2 = launch(job, backup, "freq=2")
+    assert code == 0, out2
+    assert f"restored {backup}" in out2, out2
+    reference = uninterrupted(tmp_path, "freq=2")
+    for rank in (0, 1):
+        assert max_diff(reference, weights(job / f"rank{rank}.npz")) < 1e-6
+    kept, runs = surviving_steps(job / "ids-rank0.txt", [rank0(out1), rank0(out2)])
+    assert len(runs) == 2
+    check_each_sample_once(kept, EPOCHS)
