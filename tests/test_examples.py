@@ -13,6 +13,7 @@ import threading
 
 import pytest
 from helpers import run_concurrently
+from multi_worker._cluster import workers_of
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 
@@ -215,8 +216,7 @@ def test_multi_worker_example_killed_mid_run_resumes_under_max_restarts(tmp_path
             lines.append(line)
             if killed is None and line.startswith("[worker 0] Epoch 3/5"):
                 # Epochs 1 and 2 are backed up: kill worker 1 in epoch 3.
-                with open(f"/proc/{job.pid}/task/{job.pid}/children") as f:
-                    killed = int(f.read().split()[-1])
+                killed = sorted(workers_of(job.pid))[-1]
                 os.kill(killed, signal.SIGKILL)
         job.wait()
     finally:

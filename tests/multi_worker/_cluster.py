@@ -90,3 +90,32 @@ def run_workers(
         )
         raise AssertionError(f"multi-worker job failed: {failed}\n{shown}")
     return outputs
+
+
+def children(pid):
+    """The live (not zombie) child processes of `pid`."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] not in "ZX":
+            found.append(int(entry))
+    return found
+
+
+def workers_of(launcher):
+    """The live worker processes of a launcher: its children, or, for a local
+    job in its own network namespace (the default), those of the launcher
+    it runs inside the namespace."""
+    found = []
+    for pid in children(launcher):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                inner = b"keras_dist.cli" in f.read()
+        except OSError:
+            continue
+        found += workers_of(pid) if inner else [pid]
+    return found

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from multi_worker._cluster import run_workers
+from multi_worker._cluster import run_workers, workers_of
 from multi_worker.test_backup_jobs import SCRIPT, max_diff, weights
 
 pytestmark = pytest.mark.multi_worker
@@ -23,35 +23,6 @@ STEPS = 4  # per epoch: global batch 12
 STARTING = re.compile(r"\[keras-dist\] (?:restart: )?starting (\d+) worker")
 RESIZE = re.compile(r"\[keras-dist\] resize: (\d+) -> (\d+) workers because (.*)")
 RESTORED = re.compile(r"\[worker 0\] .*BackupAndRestore: restored .*\(epoch (\d+), step (\d+)\)")
-
-
-def children(pid):
-    """The live (not zombie) child processes of `pid`."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] not in "ZX":
-            found.append(int(entry))
-    return found
-
-
-def workers_of(launcher):
-    """The live worker processes of a launcher: its children, or, for a local
-    job in its own network namespace (the default), those of the launcher
-    it runs inside the namespace."""
-    found = []
-    for pid in children(launcher):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                inner = b"keras_dist.cli" in f.read()
-        except OSError:
-            continue
-        found += workers_of(pid) if inner else [pid]
-    return found
 
 
 class ElasticJob:
