@@ -402,7 +402,6 @@ class Group:
                 problem = worker.watch.check()
                 if problem:
                     found.append((problem[0], index, worker, problem[1]))
-        self._tell_waits(workers if workers is not None else self.workers)
         if not found:
             return None
         rank, _, worker, problem = min(found, key=lambda f: f[:2])
@@ -585,6 +584,7 @@ class Group:
 
     def _on_hang(self) -> Outcome | None:
         hung = self.unresponsive()
+        self._tell_waits(self.workers)  # read from the checks just made
         if hung is None:
             return None
         reason = self.report_hang(*hung)

@@ -96,10 +96,10 @@ class _WithSecret(grpc.UnaryUnaryClientInterceptor):
     """Adds the search's secret to every call."""
 
     def __init__(self, value: str):
-        self._value = value
+        self.value = value
 
     def intercept_unary_unary(self, continuation, details, request):
-        metadata = list(details.metadata or ()) + [(_METADATA_KEY, self._value)]
+        metadata = list(details.metadata or ()) + [(_METADATA_KEY, self.value)]
         return continuation(_CallDetails(
             details.method, details.timeout, metadata, details.credentials,
             details.wait_for_ready, details.compression), request)
