@@ -58,6 +58,7 @@ from keras_dist.launchers.supervisor import (
     describe_exit,
     exit_status,
     say,
+    signal_name,
 )
 
 HEARTBEAT_SECONDS = 0.5
@@ -344,7 +345,7 @@ class ElasticHost:
             self.rz.stop_beating()
 
     def _interrupted(self, signum: int) -> int:
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        name = signal_name(signum)
         say(f"received {name}: asking the worker to save a backup and exit "
             f"(grace period {self.grace_period:g}s); this host leaves the job")
         # Said before the worker saves: the peers' workers save with it and

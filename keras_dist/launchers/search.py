@@ -24,6 +24,7 @@ from keras_dist.launchers.supervisor import (
     forwarded_signals,
     python_command,
     say,
+    signal_name,
     stop_workers,
 )
 
@@ -222,7 +223,7 @@ class _SearchSupervisor:
         if not self.interrupt:
             return None
         signum = self.interrupt[0]
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        name = signal_name(signum)
         say(f"received {name}: stopping the chief and the tuner workers")
         # SIGTERM, not the signal itself: the processes end without a
         # KeyboardInterrupt traceback each; the oracle was saved after every

@@ -132,6 +132,11 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def signal_name(signum: int) -> str:
+    """How the console names a signal the launcher received."""
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
 def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
@@ -491,7 +496,7 @@ class Group:
         if not interrupt:
             return None
         signum = interrupt[0]
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        name = signal_name(signum)
         limit = max(self.grace_period, RESIZE_SAVE_SECONDS)
         say(f"received {name}: asking the workers to save a backup at their next "
             f"step and exit (up to {limit:g}s; {name} again stops them at once)")
