@@ -10,6 +10,7 @@ Here the clock is shortened (heartbeats every 0.05 s, stale after 1 s).
 """
 
 import json
+import re
 import signal
 import sys
 import threading
@@ -259,3 +260,17 @@ def test_a_backend_must_implement_every_primitive():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_the_first_generations_wait_for_hosts_is_said_once(tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr(rendezvous, "WAIT_NOTICE_SECONDS", 0.5)
+    job = Job(tmp_path, 3, {0: ["finish"], 1: ["finish"]}, min_workers=2, rejoin_after=2.0)
+    job.start([0, 1])  # host 2 never comes: the job starts on 2 after rejoin_after
+    while not job.generations():
+        threading.Event().wait(0.05)
+    err = capfd.readouterr().err
+    said = re.findall(r"waited \d+s for hosts \[2\] to reach the rendezvous \(2 of 3 up\); "
+                      r"the job starts without them after --rejoin-after 2s if at least "
+                      r"--min-workers 2 are up", err)
+    assert len(said) == 1, err
+    assert job.members()[0] == [0, 1]

@@ -62,6 +62,7 @@ from keras_dist.launchers.supervisor import (
 )
 
 HEARTBEAT_SECONDS = 0.5
+WAIT_NOTICE_SECONDS = 10.0  # a longer wait for the first generation is said once
 STALE_SECONDS = policy.STALE_SECONDS
 
 
@@ -328,6 +329,7 @@ class ElasticHost:
         self.generation = 0  # the generation of `group` (or last run)
         self._lead_generation = 0  # what `_lost_since` refers to
         self._lost_since = None  # when the leader first saw a member lost
+        self._told_wait = False  # the first generation's wait, said once
 
     def run(self, interrupt) -> int:
         self.rz.start_beating()
@@ -435,8 +437,10 @@ class ElasticHost:
     def _lead(self, number: int, generation: dict | None) -> None:
         alive, now, leaving = self.rz.alive(), time.time(), self.rz.leaving()
         if generation is None:
-            proposal = policy.first_generation(
-                self.job, [a for a in alive if a not in leaving], now - self.started)
+            up = [a for a in alive if a not in leaving]
+            proposal = policy.first_generation(self.job, up, now - self.started)
+            if proposal is None:
+                self._tell_wait(up, now - self.started)
             number = 0
         else:
             if number != self._lead_generation:
@@ -446,6 +450,17 @@ class ElasticHost:
                 self._lost_since, leaving)
         if proposal is not None:
             self._propose(number + 1, proposal)
+
+    def _tell_wait(self, up: list[int], waited: float) -> None:
+        """Says once that the first generation waits for hosts to come up."""
+        if self._told_wait or waited < WAIT_NOTICE_SECONDS:
+            return
+        self._told_wait = True
+        missing = [r for r in range(self.job.hosts) if r not in up]
+        say(f"waited {waited:.0f}s for hosts {missing} to reach the rendezvous "
+            f"({len(up)} of {self.job.hosts} up); the job starts without them after "
+            f"--rejoin-after {self.job.rejoin_after:g}s if at least --min-workers "
+            f"{self.job.min_workers} are up")
 
     def _propose(self, number: int, proposal: policy.Proposal) -> None:
         if policy.ends_the_job(self.job, proposal):
