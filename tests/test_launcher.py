@@ -224,6 +224,8 @@ def run_cli(args, capsys):
         (["--num-workers", "2", "--grace-period", "0", "JOB"], "option --grace-period. Expected a positive, finite number of seconds. Received: --grace-period 0.0."),
         (["--num-workers", "2", "--grace-period", "inf", "JOB"], "option --grace-period. Expected a positive, finite number of seconds. Received: --grace-period inf."),
         (["--num-workers", "70000", "JOB"], "option --num-workers. Expected at most "),
+        (["--num-workers", "70000", "--print-tf-config"], "option --num-workers. Expected at most "),
+        (["--num-workers", "0", "--print-tf-config"], "option --num-workers. Expected a positive integer. Received: --num-workers 0."),
         (["--num-workers", "2", "--log-dir", "FILE/sub", "JOB"], "option --log-dir: 'FILE' exists and is not a directory. Received: --log-dir 'FILE/sub'."),
         (["JOB"], "No cluster given. Pass --num-workers N for N local workers"),
         (["--num-workers", "2", "-m", "no_such_module_here"], "no module of that name"),

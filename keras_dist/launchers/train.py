@@ -417,7 +417,8 @@ def planned_tf_configs(
     """
     if hosts is not None:
         workers = _cluster.parse_hosts(hosts)
-    elif num_workers is not None and isinstance(num_workers, int) and num_workers >= 1:
+    elif num_workers is not None:
+        check_local_workers("num_workers", num_workers)
         workers = [f"127.0.0.1:{p}" for p in _cluster.loopback_ports(num_workers)]
     else:
         slurm = _cluster.slurm_cluster()
