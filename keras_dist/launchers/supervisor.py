@@ -42,7 +42,7 @@ _TRACEBACK = "Traceback (most recent call last):"
 _LOST_PEER_MARKERS = (
     "UnavailableError", "Connection reset by peer", "failed to connect to all addresses",
     "Socket closed", "Connection refused", "CancelledError", "Broken pipe",
-    "peer", "Peer",
+    "Collective ops is aborted",
 )
 HANG_EXIT_CODE = _exit_codes.HANG
 PREEMPTED_EXIT_CODE = _exit_codes.PREEMPTED
