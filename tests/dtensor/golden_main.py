@@ -7,6 +7,9 @@ Usage:
                                  |weight difference| to one device, bytes;
                                  the one-device references written to / read
                                  from DIR
+    golden_main.py loss_matrix MESH [write:DIR|read:DIR]
+                                 one JSON line per loss and metric case; the
+                                 one-device runs written to / read from DIR
     golden_main.py save MESH DIR trains 1 epoch (tf.data input), saves
     golden_main.py load MESH DIR loads onto MESH, trains 1 more epoch, compares
 MESH is model2, model4 or batch2_model2.
@@ -178,7 +181,8 @@ def write_reference(path, expected):
     os.replace(path + ".tmp.npz", path)  # readers never see half a file
 
 
-def read_reference(path, timeout=1500):
+def wait_for(path, timeout=1500):
+    """`path` once the process writing the references wrote it."""
     failed = os.path.join(os.path.dirname(path), "failed")
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
@@ -187,7 +191,11 @@ def read_reference(path, timeout=1500):
         if time.monotonic() > deadline:
             raise SystemExit(f"no reference at {path} after {timeout} s")
         time.sleep(0.1)
-    with np.load(path) as saved:
+    return path
+
+
+def read_reference(path, timeout=1500):
+    with np.load(wait_for(path, timeout)) as saved:
         count = sum(key.startswith("w") for key in saved.files)
         expected = {"weights": [saved[f"w{i}"] for i in range(count)],
                     "predictions": saved["predictions"]}
@@ -866,25 +874,49 @@ def matrix_cases():
     }
 
 
-def loss_matrix(mesh, reference_too=True):
+def loss_matrix(mesh, reference_too=True, references=None):
     """`matrix_cases` on `mesh` against one device from the same weights (the
     sharded model's, which are process 0's under a launched job): one JSON
     row per case, every history value and evaluate's relative difference,
     and the sharded run's own numbers and a digest of its weights. Without
     `reference_too`, those last only (another process of the same mesh:
-    process 0 compares; every collective call in the same order)."""
-    import hashlib
+    process 0 compares; every collective call in the same order).
 
+    `references`: ("write", DIR) writes each case's initial weights and
+    one-device run to DIR; ("read", DIR) starts the sharded model from the
+    initial weights found there and compares with the one-device run found
+    there (the same computation, trained once for every mesh)."""
+    import hashlib
+    import pickle
+
+    role, directory = references or (None, None)
     for case, (build, (fit, evaluate)) in matrix_cases().items():
         sharded = kd.shard(build(), mesh, kd.LayoutMapper(mesh, min_elements=0))
+        path = directory and os.path.join(directory, f"matrix-{case}.pickle")
+        if role == "read":
+            with open(wait_for(path), "rb") as f:
+                one_device_run = pickle.load(f)
+            sharded.set_weights(one_device_run["initial"])
         initial = sharded.get_weights()
         got = sharded.fit(**fit).history
         row = {"case": case, "history": got}
-        if reference_too:
+        if reference_too and role == "read":
+            reference = build()  # its variables' paths (its weights: one device's)
+            reference.set_weights(one_device_run["weights"])
+            expected = one_device_run["history"]
+            row["expected_evaluate"] = one_device_run["evaluate"]
+            row["read_initial_diff"] = max_diff(initial, one_device_run["initial"])
+        elif reference_too:
             reference = build()
             reference.set_weights(initial)
             expected = reference.fit(**fit).history
             row["expected_evaluate"] = reference.evaluate(**evaluate)
+            if role == "write":
+                with open(path + ".tmp", "wb") as f:
+                    pickle.dump({"initial": initial, "weights": reference.get_weights(),
+                                 "history": expected,
+                                 "evaluate": row["expected_evaluate"]}, f)
+                os.replace(path + ".tmp", path)  # readers never see half a file
         row["evaluated"] = sharded.evaluate(**evaluate)
         weights = sharded.get_weights()
         row["weights_digest"] = hashlib.sha256(
@@ -997,7 +1029,19 @@ def run(mode, mesh, args):
     elif mode == "user_code":
         user_code(mesh)
     elif mode == "loss_matrix":
-        loss_matrix(mesh)
+        # loss_matrix MESH [write:DIR|read:DIR]
+        role, _, directory = args[0].partition(":") if args else ("", "", "")
+        if role in ("write", "read"):
+            os.makedirs(directory, exist_ok=True)
+            try:
+                loss_matrix(mesh, references=(role, directory))
+            except BaseException as error:
+                if role == "write":  # the readers stop waiting
+                    with open(os.path.join(directory, "failed"), "w") as f:
+                        f.write(repr(error))
+                raise
+        else:
+            loss_matrix(mesh)
     elif mode == "fully_sharded":
         fully_sharded(args[0])
     elif mode == "multiclient":

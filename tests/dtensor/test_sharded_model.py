@@ -49,7 +49,9 @@ def steps_of(done) -> dict:
 def runs(tmp_path_factory):
     """Every golden, one process per mesh, two at a time (outcomes are
     checked, not speed). model=2 trains the one-device references and
-    writes them; the other meshes read them (the same seeded computation).
+    writes them; the other meshes read them (the same seeded computation;
+    the loss matrix's sharded models start from the weights model=2's
+    one-device runs started from).
     Saved on batch=2 x model=2 (its first step), then loaded onto model=4
     (its last; it waits for the save)."""
     saved = str(tmp_path_factory.mktemp("saved"))
@@ -59,10 +61,10 @@ def runs(tmp_path_factory):
     done = run_concurrently({
         # First: the processes that read the references wait for its rows.
         "model2": [sys.executable, SCRIPT, "steps", "model2", f"golden=write:{references}",
-                   "loss_matrix", "fully_sharded=2", "iterators"],
+                   f"loss_matrix=write:{references}", "fully_sharded=2", "iterators"],
         "batch2_model2": [sys.executable, SCRIPT, "steps", "batch2_model2", f"save={saved}",
                           f"golden=read:{references}", "layout_map", "user_code",
-                          "loss_matrix", f"callbacks={callbacks}",
+                          f"loss_matrix=read:{references}", f"callbacks={callbacks}",
                           f"errors={errors}"],
         "model4": [sys.executable, SCRIPT, "steps", "model4", f"golden=read:{references}",
                    "fully_sharded=4", f"load={saved}", f"resume_copies={callbacks}"],
@@ -318,7 +320,10 @@ def test_every_builtin_loss_and_common_metric_logs_what_keras_logs(runs, mesh):
     # data, probabilities and logits, pairwise (circle) and sequence (CTC)
     # losses; the launched 2-process mesh runs the same cases
     # (test_one_mesh_spans_the_processes_of_a_launched_job).
-    check_loss_matrix(rows_of(runs[0][f"loss_matrix/{mesh}"]))
+    rows = rows_of(runs[0][f"loss_matrix/{mesh}"])
+    check_loss_matrix(rows)
+    if mesh == "batch2_model2":  # started from the weights model=2's references did
+        assert all(r["read_initial_diff"] == 0 for r in rows), rows
 
 
 def test_every_logged_number_is_the_one_keras_logs(runs):
