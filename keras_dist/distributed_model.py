@@ -495,7 +495,8 @@ class DistributedModel(keras.Model):
                 seed = session.resume.seed if session.resume is not None else None
                 seed = seed or _collectives.agreed_seed(session.strategy)
         dataset = _data.array_dataset(
-            session.strategy, x, y, sample_weight, batch_size, shuffle, seed, order
+            session.strategy, x, y, sample_weight, batch_size, shuffle, seed, order,
+            cursor=cursor if seed is not None else None,
         )
         if dataset is None and shuffle:
             cursor.kind = "other"  # Keras' own, unrecorded shuffle

@@ -60,7 +60,7 @@ def pytest_addoption(parser):
     parser.addoption(
         "--soak", action="store_true",
         help="run soak-sized tests at full size (the elastic job's 20 random "
-        "events instead of 8, 50 fits per stress process instead of 24)",
+        "events instead of 4, 50 fits per stress process instead of 24)",
     )
 
 

@@ -6,6 +6,7 @@ import re
 import shutil
 import signal
 import time
+from unittest import mock
 
 import keras
 import numpy as np
@@ -17,6 +18,7 @@ from helpers import Crash
 from helpers import max_abs_diff
 from helpers import mlp
 from helpers import regression_data
+from helpers import two_replicas
 from keras_dist import _backup_store as store
 from keras_dist.callbacks import BackupAndRestore
 from keras_dist.callbacks.backup_and_restore import PREEMPTED_EXIT_CODE
@@ -165,6 +167,40 @@ def test_numpy_shuffle_differs_between_epochs():
     orders = [next(iter(dataset))[0].numpy().tolist() for _ in range(3)]
     assert len({tuple(o) for o in orders}) == 3
     assert all(sorted(o) == list(range(16)) for o in orders)
+
+
+def test_a_resumed_cursor_reaches_its_order_on_the_indices_alone():
+    """On resume, each pass already trained is replayed on the shuffled
+    indices (`DataCursor.reorder`), not on the distributed input: the next
+    distributed pass takes the order it takes after as many distributed
+    passes, and no distributed iterator is made to get there."""
+    from keras_dist import _data
+
+    strategy = two_replicas()
+
+    def distributed_orders(advance_first):
+        cursor = _data.DataCursor("arrays", persistent=False)
+        dataset = _data.array_dataset(strategy, np.arange(16), None, None, 16, True,
+                                      seed=5, cursor=cursor)
+        assert cursor.reorder is not None
+        cursor.dataset = strategy.experimental_distribute_dataset(dataset)
+        if advance_first:
+            made = []
+            original = type(cursor.dataset).__iter__
+            with mock.patch.object(type(cursor.dataset), "__iter__",
+                                   lambda self: made.append(1) or original(self)):
+                assert cursor.advance_to(4)
+            assert made == [] and cursor.created == 4
+        else:
+            for _ in range(4):
+                iter(cursor.dataset)
+        return [[int(v) for part in strategy.experimental_local_results(
+            next(iter(cursor.dataset))[0]) for v in part.numpy()] for _ in range(2)]
+
+    replayed = distributed_orders(advance_first=False)
+    assert distributed_orders(advance_first=True) == replayed
+    assert all(sorted(order) == list(range(16)) for order in replayed)
+    assert replayed[0] != replayed[1]
 
 
 def committed(backup_dir):
