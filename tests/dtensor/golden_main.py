@@ -1009,39 +1009,35 @@ def fully_sharded(size):
                       "one_device_after": seed_states(reference.variables)}), flush=True)
 
 
+def with_references(args, function, otherwise):
+    """`function(references=(role, DIR))` for an argument `write:DIR` or
+    `read:DIR` (a writer that fails tells the readers, who stop waiting),
+    `otherwise()` for any other."""
+    role, _, directory = args[0].partition(":") if args else ("", "", "")
+    if role not in ("write", "read"):
+        return otherwise()
+    os.makedirs(directory, exist_ok=True)
+    try:
+        function(references=(role, directory))
+    except BaseException as error:
+        if role == "write":
+            with open(os.path.join(directory, "failed"), "w") as f:
+                f.write(repr(error))
+        raise
+
+
 def run(mode, mesh, args):
     if mode == "golden":
         # golden MESH [KIND,...] or golden MESH write:DIR / read:DIR
-        role, _, directory = args[0].partition(":") if args else ("", "", "")
-        if role in ("write", "read"):
-            os.makedirs(directory, exist_ok=True)
-            try:
-                golden(mesh, references=(role, directory))
-            except BaseException as error:
-                if role == "write":  # the readers stop waiting
-                    with open(os.path.join(directory, "failed"), "w") as f:
-                        f.write(repr(error))
-                raise
-        else:
-            golden(mesh, args[0].split(",") if args else KINDS)
+        with_references(args, lambda **kw: golden(mesh, **kw),
+                        lambda: golden(mesh, args[0].split(",") if args else KINDS))
     elif mode == "layout_map":
         keras_layout_map(mesh)
     elif mode == "user_code":
         user_code(mesh)
     elif mode == "loss_matrix":
         # loss_matrix MESH [write:DIR|read:DIR]
-        role, _, directory = args[0].partition(":") if args else ("", "", "")
-        if role in ("write", "read"):
-            os.makedirs(directory, exist_ok=True)
-            try:
-                loss_matrix(mesh, references=(role, directory))
-            except BaseException as error:
-                if role == "write":  # the readers stop waiting
-                    with open(os.path.join(directory, "failed"), "w") as f:
-                        f.write(repr(error))
-                raise
-        else:
-            loss_matrix(mesh)
+        with_references(args, lambda **kw: loss_matrix(mesh, **kw), lambda: loss_matrix(mesh))
     elif mode == "fully_sharded":
         fully_sharded(args[0])
     elif mode == "multiclient":
