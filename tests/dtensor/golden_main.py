@@ -692,7 +692,12 @@ def iterators(mesh):
         history = sharded.fit(*inputs, epochs=2, verbose=0, **arguments).history
         row[name] = {"losses": history["loss"], "released_in_background": len(queued)}
     compat_iterators._release_later = release_later
-    row["all_released"] = compat_iterators.wait_for_released_iterators(timeout=60)
+    # Every iterator this process handed to the release thread (the earlier
+    # steps' too). A teardown can block for up to 60 s by itself (see
+    # `lean_epoch_iterators`); on a loaded CI machine the wait passed 60 s.
+    started = time.monotonic()
+    row["all_released"] = compat_iterators.wait_for_released_iterators(timeout=300)
+    row["release_wait_seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(row), flush=True)
 
 
