@@ -176,7 +176,8 @@ def array_dataset(strategy, x, y, sample_weight, batch_size, shuffle, seed, orde
     DATA), which is exact because every worker uses the agreed seed (or
     order).
 
-    `cursor` (a `DataCursor`) gets the shuffled indices as its `reorder`.
+    `cursor` (a `DataCursor`) gets the indices as its `reorder` when they
+    are shuffled with `seed` (other orders do not depend on the pass).
 
     Keras' own adapter is kept (None is returned) for unshuffled arrays on
     one worker, and for non-array inputs. Keras 3.15's adapter draws the same

@@ -496,7 +496,7 @@ class DistributedModel(keras.Model):
                 seed = seed or _collectives.agreed_seed(session.strategy)
         dataset = _data.array_dataset(
             session.strategy, x, y, sample_weight, batch_size, shuffle, seed, order,
-            cursor=cursor if seed is not None else None,
+            cursor=cursor,
         )
         if dataset is None and shuffle:
             cursor.kind = "other"  # Keras' own, unrecorded shuffle

@@ -172,13 +172,25 @@ def one_device(kind, name, reference, x, y, noise_floor=False):
     return expected
 
 
+def publish(path, write):
+    """`write(temporary_path)`, then renamed to `path`: readers waiting for
+    `path` (`wait_for`) never see half a file."""
+    temporary = path + ".tmp"
+    write(temporary)
+    os.replace(temporary, path)
+
+
 def write_reference(path, expected):
     arrays = {f"w{i}": w for i, w in enumerate(expected["weights"])}
     arrays["predictions"] = expected["predictions"]
     if "noise_floor" in expected:
         arrays["noise_floor"] = np.array(expected["noise_floor"])
-    np.savez(path + ".tmp.npz", **arrays)
-    os.replace(path + ".tmp.npz", path)  # readers never see half a file
+
+    def write(temporary):
+        with open(temporary, "wb") as f:  # a file object: savez adds no suffix
+            np.savez(f, **arrays)
+
+    publish(path, write)
 
 
 def wait_for(path, timeout=1500):
@@ -917,11 +929,14 @@ def loss_matrix(mesh, reference_too=True, references=None):
             expected = reference.fit(**fit).history
             row["expected_evaluate"] = reference.evaluate(**evaluate)
             if role == "write":
-                with open(path + ".tmp", "wb") as f:
-                    pickle.dump({"initial": initial, "weights": reference.get_weights(),
-                                 "history": expected,
-                                 "evaluate": row["expected_evaluate"]}, f)
-                os.replace(path + ".tmp", path)  # readers never see half a file
+                trained = {"initial": initial, "weights": reference.get_weights(),
+                              "history": expected, "evaluate": row["expected_evaluate"]}
+
+                def write(temporary, trained=trained):
+                    with open(temporary, "wb") as f:
+                        pickle.dump(trained, f)
+
+                publish(path, write)
         row["evaluated"] = sharded.evaluate(**evaluate)
         weights = sharded.get_weights()
         row["weights_digest"] = hashlib.sha256(
