@@ -930,7 +930,7 @@ def loss_matrix(mesh, reference_too=True, references=None):
             row["expected_evaluate"] = reference.evaluate(**evaluate)
             if role == "write":
                 trained = {"initial": initial, "weights": reference.get_weights(),
-                              "history": expected, "evaluate": row["expected_evaluate"]}
+                           "history": expected, "evaluate": row["expected_evaluate"]}
 
                 def write(temporary, trained=trained):
                     with open(temporary, "wb") as f:
