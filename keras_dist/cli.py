@@ -44,6 +44,8 @@ examples:
       hosts that come back rejoin
   srun keras-dist launch train.py
       inside a Slurm allocation: the cluster comes from Slurm
+  keras-dist launch --num-workers 4 train.py
+      on a host with 8 GPUs: each worker gets 2 (CUDA_VISIBLE_DEVICES)
   keras-dist launch --num-workers 2 --print-tf-config
       each worker's TF_CONFIG (e.g. for Kubernetes), one JSON line each
 """
@@ -127,6 +129,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--rendezvous", metavar="DIR",
                      help="multi-host with --min-workers: a directory every "
                      "host sees, where the launchers agree on who runs")
+    run.add_argument("--gpus-per-worker", type=int, metavar="K",
+                     help="GPUs each worker on this host gets (through "
+                     "CUDA_VISIBLE_DEVICES; 0: none, train on the CPUs) "
+                     "(default: this host's GPUs split evenly)")
     run.add_argument("--log-dir", help="write worker-<rank>.log files here "
                      "(default: prefixed lines on standard output)")
     run.add_argument("--grace-period", type=float, default=5.0,

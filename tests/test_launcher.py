@@ -471,7 +471,7 @@ def test_progress_lines_reach_the_console_with_log_dir(tmp_path, capfd):
     {"num_workers": 3, "max_restarts": 2, "log_dir": "logs", "grace_period": 2.5,
      "module": True, "port": 23456, "verbose": True, "start_timeout": None,
      "hang_timeout": 12.25, "private_network": True, "min_workers": 1,
-     "rejoin_after": 7.5},
+     "rejoin_after": 7.5, "gpus_per_worker": 2},
     {"hosts": "a:1,b:2", "rank": 1, "min_workers": 2, "rendezvous": "/shared/rz",
      "start_timeout": 1e-3},
     {"num_workers": 2, "private_network": False},

@@ -34,6 +34,7 @@ class LaunchConfig:
     min_workers: int | None = None
     rejoin_after: float = 60.0
     rendezvous: str | None = None
+    gpus_per_worker: int | None = None  # None: this host's GPUs split evenly
 
     def command_line(self, private_network: bool | None = None) -> list[str]:
         """The `keras-dist launch` arguments that make this config.

@@ -311,9 +311,12 @@ class ElasticHost:
     """This host's launcher in an elastic multi-host job."""
 
     def __init__(self, command, hosts, rank, rendezvous, *, min_workers, rejoin_after,
-                 max_restarts, log_dir, grace_period, verbose, timeouts):
-        """`rendezvous`: a directory on shared storage, or a `Rendezvous`."""
+                 max_restarts, log_dir, grace_period, verbose, timeouts,
+                 worker_env=None):
+        """`rendezvous`: a directory on shared storage, or a `Rendezvous`;
+        `worker_env`: variables of this host's worker besides `TF_CONFIG`."""
         self.command = command
+        self.worker_env = dict(worker_env or {})
         self.hosts = hosts
         self.rank = rank
         self.rz = (rendezvous if isinstance(rendezvous, Rendezvous)
@@ -397,7 +400,8 @@ class ElasticHost:
         say(f"generation {number}: starting worker {index} of {len(members)} "
             f"({workers[index]}; chief {workers[0]}): python " + " ".join(self.command))
         self.generation = number
-        self.group = Group(self.command, [(f"worker {index}", {"TF_CONFIG": config})],
+        self.group = Group(self.command,
+                           [(f"worker {index}", {"TF_CONFIG": config, **self.worker_env})],
                            self.log_dir, self.grace_period, self.verbose,
                            timeouts=self.timeouts)
 

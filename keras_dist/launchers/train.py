@@ -15,6 +15,7 @@ from keras_dist._checks import (
     check_seconds,
 )
 from keras_dist.launchers import elastic_policy as policy
+from keras_dist.launchers import gpus
 from keras_dist.launchers.config import LaunchConfig
 from keras_dist.launchers.rendezvous import ElasticHost
 from keras_dist.launchers.supervisor import (
@@ -45,6 +46,7 @@ def launch(
     min_workers: int | None = None,
     rejoin_after: float = 60.0,
     rendezvous: str | None = None,
+    gpus_per_worker: int | None = None,
 ) -> int:
     """Runs `script` as the workers of a multi-worker job and supervises them.
 
@@ -134,6 +136,16 @@ def launch(
             `min_workers`): a directory on storage every host sees, where
             the launchers agree on which hosts run (see
             `keras_dist.launchers.rendezvous`).
+        gpus_per_worker: Non-negative integer or None (the default): the
+            GPUs each worker started on this host gets, through its own
+            `CUDA_VISIBLE_DEVICES` (0: none, the workers train on the
+            CPUs). None: this host's GPUs split evenly over its workers (a
+            host with 8 GPUs and 4 workers: 2 each); a host without GPUs
+            changes nothing. The GPUs handed out are those the launcher's
+            own `CUDA_VISIBLE_DEVICES` lists, else every NVIDIA device of
+            the host. A split that cannot give every worker the same
+            number of GPUs of its own is refused before any worker starts
+            (see `keras_dist.launchers.gpus`).
 
     Returns:
         0 when every worker succeeded; otherwise the failed worker's exit
@@ -156,12 +168,14 @@ def launch(
         module=module, port=port, verbose=verbose, start_timeout=start_timeout,
         hang_timeout=hang_timeout, private_network=private_network,
         min_workers=min_workers, rejoin_after=rejoin_after, rendezvous=rendezvous,
+        gpus_per_worker=gpus_per_worker,
     ))
 
 
 def run(config: LaunchConfig) -> int:
     """Checks `config` before anything starts, then runs the job (`launch`)."""
     configs_for = _plan(config)
+    gpu_env = _gpu_environment(config)
     _check_elastic(config)
     timeouts = _liveness.Timeouts.checked(config.start_timeout, config.hang_timeout)
     if _netns.wanted(config.private_network, local=config.num_workers is not None,
@@ -173,13 +187,15 @@ def run(config: LaunchConfig) -> int:
     command = python_command(config.script, config.script_args, config.module)
     say(_netns.exposure(local=config.num_workers is not None,
                         private_network=config.private_network))
+    if gpu_env.plan is not None:
+        say(gpu_env.plan.describe(config.num_workers or 1))
     if config.rendezvous is not None:
         host = ElasticHost(
             command, _cluster.parse_hosts(config.hosts), config.rank,
             os.fspath(config.rendezvous), min_workers=config.min_workers,
             rejoin_after=config.rejoin_after, max_restarts=config.max_restarts,
             log_dir=config.log_dir, grace_period=config.grace_period,
-            verbose=config.verbose, timeouts=timeouts,
+            verbose=config.verbose, timeouts=timeouts, worker_env=gpu_env(0),
         )
         with forwarded_signals() as interrupt:
             return host.run(interrupt)
@@ -196,9 +212,38 @@ def run(config: LaunchConfig) -> int:
         size=config.num_workers,
         min_workers=config.min_workers,
         rejoin_after=config.rejoin_after,
+        worker_env=gpu_env,
     )
     with forwarded_signals() as interrupt:
         return job.run(interrupt)
+
+
+class _GpuEnvironment:
+    """Worker `rank`'s GPU variables (`gpus.GpuPlan`); none without a plan."""
+
+    def __init__(self, plan: gpus.GpuPlan | None, local: bool):
+        self.plan = plan
+        self.local = local
+
+    def __call__(self, rank: int) -> dict[str, str]:
+        if self.plan is None:
+            return {}
+        # A multi-host or Slurm launcher starts one worker: its host's first share.
+        return self.plan.environment(rank if self.local else 0)
+
+
+def _gpu_environment(config: LaunchConfig) -> _GpuEnvironment:
+    """The GPUs of each worker this launcher starts, checked before any starts.
+
+    Local jobs split this host's GPUs (or `gpus_per_worker` each); a
+    multi-host or Slurm launcher starts one worker, which keeps the GPUs
+    it was given unless `gpus_per_worker` asks for fewer.
+    """
+    local = config.num_workers is not None
+    if not local and config.gpus_per_worker is None:
+        return _GpuEnvironment(None, local)
+    plan = gpus.plan(gpus.visible_gpus(), config.num_workers or 1, config.gpus_per_worker)
+    return _GpuEnvironment(plan, local)
 
 
 class _Job:
@@ -209,8 +254,9 @@ class _Job:
 
     def __init__(self, command, configs_for, *, log_dir, grace_period, verbose,
                  timeouts, max_restarts, redraw_ports, size=None, min_workers=None,
-                 rejoin_after=60.0):
+                 rejoin_after=60.0, worker_env=lambda rank: {}):
         self.command = command
+        self.worker_env = worker_env
         self.configs_for = configs_for
         self.log_dir = log_dir
         self.grace_period = grace_period
@@ -241,7 +287,8 @@ class _Job:
                 return status
 
     def _start(self, configs) -> Group:
-        processes = [(f"worker {r}", {"TF_CONFIG": c}) for r, c in configs]
+        processes = [(f"worker {r}", {"TF_CONFIG": c, **self.worker_env(r)})
+                     for r, c in configs]
         say(
             ("restart: " if self.restarts or self.port_retries or self.resizes else "")
             + f"starting {_describe_workers(configs)}: python "
