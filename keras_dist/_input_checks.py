@@ -16,6 +16,31 @@ import numpy as np
 import tensorflow as tf
 
 
+def check_trains_here(method: str) -> None:
+    """Refuses training on a job's evaluator task, before any work.
+
+    Managed services (Vertex AI, SageMaker, Kubeflow's TFJob) run the same
+    script on every task of `TF_CONFIG`; the evaluator is outside the
+    training cluster, and a fit there would train a model of its own, in
+    silence, beside the job.
+    """
+    from keras_dist import _cluster
+
+    cluster = _cluster.parse_tf_config()
+    if cluster is None or cluster.task_type != "evaluator":
+        return
+    raise RuntimeError(
+        f"{method}(): this process is the job's evaluator task (TF_CONFIG "
+        f"task {{'type': 'evaluator', 'index': {cluster.task_index}}}), which "
+        f"trains nothing: the chief and the {cluster.num_workers - 1} other "
+        "worker(s) train. Received: a training call on the evaluator. Branch "
+        "on keras_dist.worker_info().task_type == 'evaluator' and evaluate "
+        "there instead: load what the chief saves (ModelCheckpoint or "
+        "model.save() on storage both see) and call evaluate() (see "
+        "docs/launch.md, 'Managed jobs')."
+    )
+
+
 def _is_array(value) -> bool:
     return isinstance(value, (np.ndarray, tf.Tensor))
 

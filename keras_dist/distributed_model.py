@@ -369,6 +369,7 @@ class DistributedModel(keras.Model):
         worker must call `fit` with the same arguments; each keeps its own
         share of every global batch.
         """
+        _input_checks.check_trains_here("fit")
         strategy = self._kd_strategy
         multi_worker = _collectives.is_multi_worker(strategy)
         _input_checks.check_fit_arguments(epochs, initial_epoch, validation_split)
@@ -507,6 +508,7 @@ class DistributedModel(keras.Model):
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):
+        _input_checks.check_trains_here("train_on_batch")
         return super().train_on_batch(x, y, sample_weight=sample_weight,
                                       class_weight=class_weight, return_dict=return_dict)
 

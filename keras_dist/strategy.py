@@ -282,7 +282,9 @@ def _resolve_auto(options=None) -> tf.distribute.Strategy:
         strategy = _tpu(required=False)
         if strategy is not None:
             return strategy
-    if cluster is not None and cluster.num_workers > 1:
+    if cluster is not None and cluster.task_type == "evaluator":
+        pass  # trains nothing: evaluates on its own devices, outside the cluster
+    elif cluster is not None and cluster.num_workers > 1:
         return _multi_worker(options)
     if cluster is None and _cluster.slurm_num_tasks() > 1:
         return _multi_worker(options)
@@ -394,11 +396,14 @@ def _tpu(required: bool) -> tf.distribute.Strategy | None:
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """This process's place in a job: `num_workers`, `rank`, `is_chief`."""
+    """This process's place in a job: `num_workers`, `rank`, `is_chief`,
+    `task_type` (`"evaluator"` for a job's evaluator task, which trains
+    nothing: `rank` -1, not chief)."""
 
     num_workers: int
     rank: int
     is_chief: bool
+    task_type: str = "worker"  # TF_CONFIG's task type ("worker" without one)
 
 
 def worker_info(strategy: StrategySpec | None = None) -> WorkerInfo:
@@ -408,7 +413,10 @@ def worker_info(strategy: StrategySpec | None = None) -> WorkerInfo:
     files of your own, upload. (keras_dist's `save`/`save_weights` and its
     callbacks already write on the chief only: call them on every worker.)
     In a single-process run it is `WorkerInfo(num_workers=1, rank=0,
-    is_chief=True)`.
+    is_chief=True)`. The evaluator task of a job whose `TF_CONFIG` has one
+    (Vertex AI, SageMaker, Kubeflow's TFJob) gets `rank=-1`,
+    `is_chief=False`, `task_type="evaluator"`: it trains nothing (see
+    docs/launch.md, "Managed jobs").
 
     Args:
         strategy: A strategy or a spec for `resolve_strategy` (e.g. a
@@ -416,7 +424,9 @@ def worker_info(strategy: StrategySpec | None = None) -> WorkerInfo:
             in scope.
 
     Returns:
-        A `WorkerInfo` with `num_workers`, `rank` (0-based) and `is_chief`.
+        A `WorkerInfo` with `num_workers` (the training tasks), `rank`
+        (0-based, the chief first), `is_chief` and `task_type` (the
+        `TF_CONFIG` task type; `"worker"` without one).
 
     Example:
 
@@ -426,6 +436,10 @@ def worker_info(strategy: StrategySpec | None = None) -> WorkerInfo:
         ...     print(f"worker {info.rank} of {info.num_workers}")
         worker 0 of 1
     """
+    cluster = _cluster.parse_tf_config()
+    if cluster is not None and cluster.task_type == "evaluator":
+        # Outside the training cluster whatever strategy it evaluates with.
+        return WorkerInfo(cluster.num_workers, -1, False, "evaluator")
     if strategy is None:
         strategy = tf.distribute.get_strategy()
     elif not isinstance(strategy, tf.distribute.Strategy):
@@ -442,7 +456,7 @@ def worker_info(strategy: StrategySpec | None = None) -> WorkerInfo:
             task_type=resolver.task_type,
             task_index=int(resolver.task_id),
         )
-        return WorkerInfo(info.num_workers, info.rank, info.is_chief)
+        return WorkerInfo(info.num_workers, info.rank, info.is_chief, info.task_type)
     if isinstance(strategy, tf.distribute.TPUStrategy):
         hosts = getattr(strategy.extended, "num_hosts", 1)
         return WorkerInfo(hosts, 0, True)

@@ -65,3 +65,24 @@ def test_ipv6_and_host_names_with_ports_are_accepted():
     raw = json.dumps({"cluster": {"worker": ["[::1]:2222", "node-1.example:65535"]},
                       "task": {"type": "worker", "index": 1}})
     assert _cluster.parse_tf_config(raw).rank == 1
+
+
+def test_a_managed_jobs_evaluator_is_outside_the_training(monkeypatch):
+    """The TF_CONFIG of Vertex AI, SageMaker and Kubeflow's TFJob: a chief,
+    workers and an evaluator that runs the same script but trains nothing."""
+    import keras_dist
+    from keras_dist import _input_checks, _startup
+    from keras_dist.strategy import WorkerInfo
+
+    cluster = {"chief": ["h:1"], "worker": ["h:2", "h:3"], "evaluator": ["h:4"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(
+        {"cluster": cluster, "task": {"type": "evaluator", "index": 0}}))
+    assert keras_dist.worker_info("default") == WorkerInfo(3, -1, False, "evaluator")
+    assert not _startup.is_multi_worker_task()
+    with pytest.raises(RuntimeError, match=r"^fit\(\): this process is the job's evaluator "
+                       r"task .* the chief and the 2 other worker\(s\) train"):
+        _input_checks.check_trains_here("fit")
+    monkeypatch.setenv("TF_CONFIG", json.dumps(
+        {"cluster": cluster, "task": {"type": "worker", "index": 1}}))
+    _input_checks.check_trains_here("fit")  # a training task: no refusal
+    assert _startup.is_multi_worker_task()

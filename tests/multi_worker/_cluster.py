@@ -18,8 +18,13 @@ def run_workers(
     timeout: float = 300,
     temp_dirs: list[str] | None = None,
     check: bool = True,
+    managed: bool = False,
 ):
     """Runs `script args` on `num_workers` workers; returns their outputs.
+
+    `managed=True`: the `TF_CONFIG` shape of Vertex AI, SageMaker and
+    Kubeflow's TFJob instead of `num_workers` workers: a chief, a worker
+    and an evaluator (3 processes, in that order).
 
     `temp_dirs`, if given, become each worker's TMPDIR. Raises
     AssertionError showing every worker's output when any worker fails or
@@ -28,13 +33,20 @@ def run_workers(
     an error (as a launcher would): after up to 15 s for an exit code (a
     preempted job exits on every worker), at once for a signal.
     """
-    ports = loopback_ports(num_workers)
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    if managed:
+        num_workers = 3
+        tasks = [("chief", 0), ("worker", 0), ("evaluator", 0)]
+    else:
+        tasks = [("worker", index) for index in range(num_workers)]
+    addresses = [f"127.0.0.1:{p}" for p in loopback_ports(num_workers)]
+    cluster = {}
+    for (kind, _), address in zip(tasks, addresses):
+        cluster.setdefault(kind, []).append(address)
     procs = []
-    for index in range(num_workers):
+    for index, (kind, task_index) in enumerate(tasks):
         env = dict(os.environ)
         env["TF_CONFIG"] = json.dumps(
-            {"cluster": cluster, "task": {"type": "worker", "index": index}}
+            {"cluster": cluster, "task": {"type": kind, "index": task_index}}
         )
         env["TF_CPP_MIN_LOG_LEVEL"] = "2"
         env["PYTHONUNBUFFERED"] = "1"

@@ -21,9 +21,32 @@ import numpy as np  # noqa: E402
 import parity_cases  # noqa: E402
 
 out_dir, names = sys.argv[1], sys.argv[2:]
-# Read from the launcher's TF_CONFIG: the first case runs before any
-# keras_dist call creates the strategy.
-chief = json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0
+# Read from TF_CONFIG: the first case runs before any keras_dist call
+# creates the strategy. A chief task, or worker 0 where there is none.
+config = json.loads(os.environ["TF_CONFIG"])
+chief = config["task"]["type"] == "chief" or (
+    "chief" not in config["cluster"] and config["task"]["index"] == 0)
+if config["task"]["type"] == "evaluator":
+    # A managed job's evaluator runs the same script: outside the training
+    # cluster, it may evaluate but not train.
+    import keras
+
+    info = keras_dist.worker_info()
+    model = keras_dist.distribute(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+    model.compile("sgd", "mse")
+    x = np.ones((8, 2), "float32")
+    evaluated = model.evaluate(x, x[:, :1], verbose=0)
+    try:
+        model.fit(x, x[:, :1], verbose=0)
+        refused = None
+    except RuntimeError as error:
+        refused = str(error)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "evaluator.json"), "w") as f:
+        json.dump({"info": [info.num_workers, info.rank, info.is_chief, info.task_type],
+                   "strategy": keras_dist.describe(model.distribute_strategy),
+                   "evaluated": float(evaluated), "refused": refused}, f)
+    sys.exit(0)
 results = {}
 strategy = None
 if names[0] == "--strategy-first":  # the strategy exists before any model

@@ -7,6 +7,7 @@ from the same initial weights (trained once, by worker 0: both start from
 the chief's), and both workers with identical weights.
 """
 
+import json
 import os
 from unittest import mock
 
@@ -27,11 +28,12 @@ def split(results: dict, name: str, kind: str) -> dict:
     return {k[len(prefix):]: results[k] for k in results if k.startswith(prefix)}
 
 
-def run_and_compare(tmp_path, names, first=()):
+def run_and_compare(tmp_path, names, first=(), managed=False):
     with RequestCounter() as remote, mock.patch.dict(os.environ, {
         "PARITY_WORKDIR": str(tmp_path / "work"), "PARITY_REMOTE_MONITOR": remote.url,
     }):
-        run_workers(WORKER, [str(tmp_path / "out"), *first, *names], timeout=560)
+        run_workers(WORKER, [str(tmp_path / "out"), *first, *names], timeout=560,
+                    managed=managed)
     ranks = [dict(np.load(tmp_path / "out" / f"rank{r}.npz")) for r in (0, 1)]
     problems = []
     if "callbacks" in names:
@@ -84,11 +86,26 @@ def test_two_unseeded_workers_match_plain_keras(tmp_path):
 
 
 def test_models_built_after_the_strategy_start_identical(tmp_path):
-    """The strategy first, then unseeded models converted: same start everywhere."""
+    """The strategy first, then unseeded models converted: same start everywhere.
+
+    In the `TF_CONFIG` shape of a managed job (Vertex AI, SageMaker,
+    Kubeflow's TFJob): a chief, a worker and an evaluator running the same
+    script. The chief (rank 0) and the worker (rank 1) train together; the
+    evaluator stays outside their cluster, evaluates, and is refused a fit.
+    """
     problems = run_and_compare(
-        tmp_path, ["functional_form", "numpy", "subclassed"], first=["--strategy-first"]
+        tmp_path, ["functional_form", "numpy", "subclassed"], first=["--strategy-first"],
+        managed=True,
     )
     assert not problems, "\n".join(problems)
+    evaluator = json.loads((tmp_path / "out" / "evaluator.json").read_text())
+    assert evaluator["info"] == [2, -1, False, "evaluator"]
+    assert "MultiWorker" not in evaluator["strategy"], evaluator["strategy"]
+    assert evaluator["evaluated"] >= 0
+    assert evaluator["refused"].startswith(
+        "fit(): this process is the job's evaluator task (TF_CONFIG task "
+        "{'type': 'evaluator', 'index': 0}), which trains nothing: the chief and "
+        "the 1 other worker(s) train."), evaluator["refused"]
 
 
 IMPORTED_LAST = """
