@@ -46,8 +46,22 @@ examples:
       inside a Slurm allocation: the cluster comes from Slurm
   keras-dist launch --num-workers 4 train.py
       on a host with 8 GPUs: each worker gets 2 (CUDA_VISIBLE_DEVICES)
+  keras-dist launch --kubernetes --num-workers 4 train.py
+      in each pod of an Indexed Job or JobSet of 4 pods (the cluster is
+      read from the pod; keras-dist manifest kubernetes prints the job)
   keras-dist launch --num-workers 2 --print-tf-config
-      each worker's TF_CONFIG (e.g. for Kubernetes), one JSON line each
+      each worker's TF_CONFIG, one JSON line each
+"""
+
+_MANIFEST_EXAMPLES = """\
+examples:
+  keras-dist manifest kubernetes --num-workers 4 --image registry/train:1 \\
+      train.py --epochs 10 | kubectl apply -f -
+      a headless Service and an Indexed Job of 4 pods
+  keras-dist manifest kubernetes --kind jobset --num-workers 2 \\
+      --gpus-per-worker 8 --backup-claim backups --image registry/train:1 \\
+      train.py
+      a JobSet of 2 pods with 8 GPUs each, a volume for the backups
 """
 
 _TUNE_EXAMPLES = """\
@@ -113,6 +127,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--num-workers", type=int, help="local workers on 127.0.0.1")
     run.add_argument("--hosts", help="host1:port,host2:port (multi-host)")
     run.add_argument("--rank", type=int, help="this host's index in --hosts")
+    run.add_argument("--kubernetes", action="store_true",
+                     help="in a pod of an Indexed Job or JobSet of --num-workers "
+                     "pods: start this pod's worker; the cluster is read from "
+                     "the pod (worker i listens on --port + i, default 2222)")
     run.add_argument("--port", type=int,
                      help="local mode: worker i listens on 127.0.0.1:PORT+i "
                      "(default: free ports)")
@@ -166,6 +184,43 @@ def _parser() -> argparse.ArgumentParser:
                       help="seconds the chief gets to finish after the last "
                       "worker exited")
     _common(tune, "search")
+    manifest = commands.add_parser(
+        "manifest",
+        help="print the manifests that run a job on a cluster scheduler",
+        formatter_class=_Formatter,
+        epilog=_MANIFEST_EXAMPLES,
+        description=_fill(
+            "Print what runs a training script as a job of --num-workers "
+            "workers on Kubernetes: a headless Service and an Indexed Job "
+            "(--kind job) or a JobSet (--kind jobset), each pod running "
+            "keras-dist launch --kubernetes. Pods that exit 42 (a "
+            "BackupAndRestore preemption save) are replaced without counting "
+            "as failures."
+        ),
+    )
+    manifest.add_argument("scheduler", choices=["kubernetes"])
+    manifest.add_argument("--num-workers", type=int, required=True,
+                          help="pods, one worker each")
+    manifest.add_argument("--image", required=True,
+                          help="container image with the script and keras_dist")
+    manifest.add_argument("--name", default="keras-dist",
+                          help="name of the job, its Service and its pods' hosts")
+    manifest.add_argument("--kind", choices=["job", "jobset"], default="job",
+                          help="an Indexed Job with a headless Service, or a JobSet")
+    manifest.add_argument("--port", type=int, default=2222,
+                          help="worker i listens on PORT + i")
+    manifest.add_argument("--gpus-per-worker", type=int, default=0,
+                          help="GPUs each pod requests (nvidia.com/gpu)")
+    manifest.add_argument("--max-restarts", type=int, default=0,
+                          help="failures of the whole group to retry")
+    manifest.add_argument("--backup-claim", metavar="PVC",
+                          help="a PersistentVolumeClaim mounted on every pod "
+                          "(for BackupAndRestore's backup_dir)")
+    manifest.add_argument("--backup-mount", default="/backups",
+                          help="where --backup-claim is mounted")
+    manifest.add_argument("script", help="the training script, in the image")
+    manifest.add_argument("script_args", nargs=argparse.REMAINDER,
+                          help="arguments for the script ('--' first is optional)")
     return parser
 
 
@@ -223,6 +278,20 @@ def parse(argv: list[str] | None = None, parser=None):
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, script_args = parse(argv, parser)
+    if args.command == "manifest":
+        from keras_dist.launchers import kubernetes
+
+        try:
+            print(kubernetes.to_yaml(kubernetes.manifests(
+                args.name, args.image, args.num_workers, [args.script, *script_args],
+                port=args.port, gpus_per_worker=args.gpus_per_worker,
+                max_restarts=args.max_restarts, backup_claim=args.backup_claim,
+                backup_mount=args.backup_mount, kind=args.kind,
+            )), end="")
+        except ValueError as e:
+            print(f"keras-dist manifest: error: {_in_flags(e, args)}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "tune":
         from keras_dist.launchers.search import launch_search
 

@@ -421,7 +421,9 @@ def worker_info(strategy: StrategySpec | None = None) -> WorkerInfo:
     Args:
         strategy: A strategy or a spec for `resolve_strategy` (e.g. a
             model's `model.distribute_strategy`); defaults to the strategy
-            in scope.
+            in scope, else to the job's cluster as `TF_CONFIG` (or Slurm)
+            describes it, so that the top of a script, before any strategy
+            exists, already knows which worker it is.
 
     Returns:
         A `WorkerInfo` with `num_workers` (the training tasks), `rank`
@@ -440,6 +442,15 @@ def worker_info(strategy: StrategySpec | None = None) -> WorkerInfo:
     if cluster is not None and cluster.task_type == "evaluator":
         # Outside the training cluster whatever strategy it evaluates with.
         return WorkerInfo(cluster.num_workers, -1, False, "evaluator")
+    if strategy is None and not tf.distribute.has_strategy():
+        # No strategy in scope (the top of a script, a callback's own
+        # thread): the job's cluster says where this process stands.
+        if cluster is not None and cluster.num_workers > 1:
+            return WorkerInfo(cluster.num_workers, cluster.rank, cluster.is_chief,
+                              cluster.task_type)
+        if cluster is None and _cluster.slurm_num_tasks() > 1:
+            rank = int(os.environ.get("SLURM_PROCID", "0"))
+            return WorkerInfo(_cluster.slurm_num_tasks(), rank, rank == 0)
     if strategy is None:
         strategy = tf.distribute.get_strategy()
     elif not isinstance(strategy, tf.distribute.Strategy):

@@ -86,3 +86,24 @@ def test_a_managed_jobs_evaluator_is_outside_the_training(monkeypatch):
         {"cluster": cluster, "task": {"type": "worker", "index": 1}}))
     _input_checks.check_trains_here("fit")  # a training task: no refusal
     assert _startup.is_multi_worker_task()
+
+
+def test_worker_info_outside_any_strategy_reads_the_jobs_cluster(monkeypatch):
+    """At the top of a script, before any strategy exists, every worker
+    already knows which one it is (it was rank 0 and chief on all of them)."""
+    import keras_dist
+    from keras_dist.strategy import WorkerInfo
+
+    cluster = {"worker": ["h:1", "h:2", "h:3"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(
+        {"cluster": cluster, "task": {"type": "worker", "index": 2}}))
+    assert keras_dist.worker_info() == WorkerInfo(3, 2, False, "worker")
+    monkeypatch.setenv("TF_CONFIG", json.dumps(
+        {"cluster": {"chief": ["h:9"], **cluster}, "task": {"type": "chief", "index": 0}}))
+    assert keras_dist.worker_info() == WorkerInfo(4, 0, True, "chief")
+    monkeypatch.delenv("TF_CONFIG")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    assert keras_dist.worker_info() == WorkerInfo(4, 3, False)
+    monkeypatch.delenv("SLURM_NTASKS")
+    assert keras_dist.worker_info() == WorkerInfo(1, 0, True)

@@ -35,6 +35,12 @@ class LaunchConfig:
     rejoin_after: float = 60.0
     rendezvous: str | None = None
     gpus_per_worker: int | None = None  # None: this host's GPUs split evenly
+    kubernetes: bool = False  # one worker per pod, cluster read in the pod
+
+    @property
+    def local(self) -> bool:
+        """Every worker on this machine (`num_workers` without `kubernetes`)."""
+        return self.num_workers is not None and not self.kubernetes
 
     def command_line(self, private_network: bool | None = None) -> list[str]:
         """The `keras-dist launch` arguments that make this config.

@@ -15,7 +15,7 @@ from keras_dist._checks import (
     check_seconds,
 )
 from keras_dist.launchers import elastic_policy as policy
-from keras_dist.launchers import gpus
+from keras_dist.launchers import gpus, kubernetes
 from keras_dist.launchers.config import LaunchConfig
 from keras_dist.launchers.rendezvous import ElasticHost
 from keras_dist.launchers.supervisor import (
@@ -47,6 +47,7 @@ def launch(
     rejoin_after: float = 60.0,
     rendezvous: str | None = None,
     gpus_per_worker: int | None = None,
+    kubernetes: bool = False,
 ) -> int:
     """Runs `script` as the workers of a multi-worker job and supervises them.
 
@@ -146,6 +147,13 @@ def launch(
             the host. A split that cannot give every worker the same
             number of GPUs of its own is refused before any worker starts
             (see `keras_dist.launchers.gpus`).
+        kubernetes: Boolean, default False: this launcher runs in one pod
+            of an Indexed Job or JobSet of `num_workers` pods and starts
+            that pod's worker, whose cluster it reads from the pod
+            (`JOB_COMPLETION_INDEX`, the pod's host name and its headless
+            Service's domain; worker i listens on `port + i`, default
+            2222). See `keras_dist.launchers.kubernetes` and
+            `keras-dist manifest kubernetes`.
 
     Returns:
         0 when every worker succeeded; otherwise the failed worker's exit
@@ -168,7 +176,7 @@ def launch(
         module=module, port=port, verbose=verbose, start_timeout=start_timeout,
         hang_timeout=hang_timeout, private_network=private_network,
         min_workers=min_workers, rejoin_after=rejoin_after, rendezvous=rendezvous,
-        gpus_per_worker=gpus_per_worker,
+        gpus_per_worker=gpus_per_worker, kubernetes=kubernetes,
     ))
 
 
@@ -178,17 +186,17 @@ def run(config: LaunchConfig) -> int:
     gpu_env = _gpu_environment(config)
     _check_elastic(config)
     timeouts = _liveness.Timeouts.checked(config.start_timeout, config.hang_timeout)
-    if _netns.wanted(config.private_network, local=config.num_workers is not None,
+    if _netns.wanted(config.private_network, local=config.local,
                      received=f"hosts={config.hosts!r}"):
         return _netns.run_inside(config.command_line(private_network=False))
     _netns.set_up_if_inside()
     if config.log_dir:
         os.makedirs(config.log_dir, exist_ok=True)
     command = python_command(config.script, config.script_args, config.module)
-    say(_netns.exposure(local=config.num_workers is not None,
+    say(_netns.exposure(local=config.local,
                         private_network=config.private_network))
     if gpu_env.plan is not None:
-        say(gpu_env.plan.describe(config.num_workers or 1))
+        say(gpu_env.plan.describe(config.num_workers if config.local else 1))
     if config.rendezvous is not None:
         host = ElasticHost(
             command, _cluster.parse_hosts(config.hosts), config.rank,
@@ -208,8 +216,8 @@ def run(config: LaunchConfig) -> int:
         timeouts=timeouts,
         max_restarts=config.max_restarts,
         # Fresh ports can be drawn only for a local job on launcher-chosen ports.
-        redraw_ports=config.num_workers is not None and config.port is None,
-        size=config.num_workers,
+        redraw_ports=config.local and config.port is None,
+        size=config.num_workers if config.local else None,
         min_workers=config.min_workers,
         rejoin_after=config.rejoin_after,
         worker_env=gpu_env,
@@ -239,10 +247,11 @@ def _gpu_environment(config: LaunchConfig) -> _GpuEnvironment:
     multi-host or Slurm launcher starts one worker, which keeps the GPUs
     it was given unless `gpus_per_worker` asks for fewer.
     """
-    local = config.num_workers is not None
+    local = config.local
     if not local and config.gpus_per_worker is None:
         return _GpuEnvironment(None, local)
-    plan = gpus.plan(gpus.visible_gpus(), config.num_workers or 1, config.gpus_per_worker)
+    plan = gpus.plan(gpus.visible_gpus(), config.num_workers if local else 1,
+                     config.gpus_per_worker)
     return _GpuEnvironment(plan, local)
 
 
@@ -412,6 +421,26 @@ def _plan(config: LaunchConfig):
             "num_workers for local workers, hosts (with rank) for one host "
             "of a multi-host job."
         )
+    if config.kubernetes:
+        if num_workers is None or hosts is not None:
+            raise ValueError(
+                "Argument `kubernetes` needs num_workers=N (the Job's "
+                "completions) and no hosts: the pods' names come from the "
+                f"pod. Received: kubernetes=True, num_workers={num_workers!r}, "
+                f"hosts={hosts!r}."
+            )
+        if config.min_workers is not None:
+            raise ValueError(
+                "Argument `min_workers` does not apply with kubernetes=True: "
+                "Kubernetes replaces a failed or preempted pod itself (the "
+                "Job's podFailurePolicy and backoffLimit). Received: "
+                f"min_workers={config.min_workers!r}, kubernetes=True. Leave "
+                "min_workers out; BackupAndRestore resumes the job on the new pods."
+            )
+        workers, pod_rank = kubernetes.pod_cluster(
+            num_workers, kubernetes.DEFAULT_PORT if port is None else port)
+        config = _cluster.tf_config(workers, pod_rank)
+        return lambda size=None: [(pod_rank, config)]
     if num_workers is not None:
         check_local_workers("num_workers", num_workers)
 
