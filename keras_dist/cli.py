@@ -144,9 +144,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="with --min-workers: grow back to --num-workers "
                      "after training this long on fewer (the group saves and "
                      "exits first)")
-    run.add_argument("--rendezvous", metavar="DIR",
-                     help="multi-host with --min-workers: a directory every "
-                     "host sees, where the launchers agree on who runs")
+    run.add_argument("--rendezvous", metavar="DIR|etcd://HOST:PORT/PREFIX",
+                     help="multi-host with --min-workers: where the launchers "
+                     "agree on who runs: a directory every host sees, or a key "
+                     "prefix of an etcd cluster")
     run.add_argument("--gpus-per-worker", type=int, metavar="K",
                      help="GPUs each worker on this host gets (through "
                      "CUDA_VISIBLE_DEVICES; 0: none, train on the CPUs) "

@@ -3,7 +3,9 @@ hosts are threads of this process sharing a `MemoryRendezvous`, its workers
 are small Python processes that follow a script (exit with a code, or run
 until told to stop and exit 42 as a worker whose BackupAndRestore saved).
 
-The same agent runs multi-host jobs over a `DirectoryRendezvous`
+The jobs of a lost, a returning and a preempted host also run on a real
+etcd (`EtcdRendezvous`). The same agent runs multi-host jobs over a
+`DirectoryRendezvous`
 (tests/multi_worker/test_elastic_jobs.py: real workers, real TensorFlow);
 the rules it applies are tested event by event in test_elastic_policy.py.
 Here the clock is shortened (heartbeats every 0.05 s, stale after 1 s).
@@ -19,7 +21,7 @@ import pytest
 
 from keras_dist import _liveness
 from keras_dist.launchers import elastic_policy, rendezvous
-from keras_dist.launchers.rendezvous import ElasticHost, MemoryRendezvous
+from keras_dist.launchers.rendezvous import ElasticHost, EtcdRendezvous, MemoryRendezvous
 
 
 WORKER = r'''
@@ -53,6 +55,22 @@ sys.exit(0 if action == "finish" else int(action))
 JOBS = []
 
 
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    """A real etcd on 127.0.0.1 (each job its own key prefix)."""
+    from etcd_server import running_etcd
+
+    with running_etcd(str(tmp_path_factory.mktemp("etcd") / "data")) as address:
+        yield address
+
+
+@pytest.fixture(params=["memory", "etcd"])
+def backend(request):
+    """The jobs of a lost, a returning and a preempted host run on both the
+    in-process store and a real etcd."""
+    return None if request.param == "memory" else request.getfixturevalue("etcd")
+
+
 @pytest.fixture(autouse=True)
 def short_clock(monkeypatch):
     """The shortened clock; afterwards, any worker a failed test left
@@ -73,7 +91,8 @@ class Job:
     """`hosts` agents in threads; `plan`: host rank -> the action of each
     start of its worker ("run", an exit code, default "finish")."""
 
-    def __init__(self, tmp_path, hosts, plan, **terms):
+    def __init__(self, tmp_path, hosts, plan, backend=None, **terms):
+        """`backend`: None (a `MemoryRendezvous`) or an etcd's host:port."""
         self.plan_file, self.log_file = tmp_path / "plan.json", tmp_path / "starts.log"
         self.plan_file.write_text(json.dumps({str(h): a for h, a in plan.items()}))
         self.log_file.write_text("")
@@ -82,8 +101,14 @@ class Job:
         addresses = [f"127.0.0.1:{20000 + rank}" for rank in range(hosts)]
         self.store = MemoryRendezvous.Store()
         self.interrupts = [[] for _ in range(hosts)]
+
+        def store(rank):
+            if backend is None:
+                return MemoryRendezvous(self.store, rank, hosts)
+            return EtcdRendezvous(f"etcd://{backend}/{tmp_path.name}", rank, hosts)
+
         self.agents = [
-            ElasticHost(command, addresses, rank, MemoryRendezvous(self.store, rank, hosts),
+            ElasticHost(command, addresses, rank, store(rank),
                         min_workers=terms.get("min_workers", 1),
                         rejoin_after=terms.get("rejoin_after", 60.0),
                         max_restarts=terms.get("max_restarts", 0), log_dir=None,
@@ -139,8 +164,8 @@ def test_a_crash_restarts_the_same_hosts_and_counts_the_restart(tmp_path):
     assert len(job.starts()) == 6
 
 
-def test_restarts_used_up_the_failing_host_is_left_out_then_rejoins(tmp_path):
-    job = Job(tmp_path, 3, {2: [1], 0: ["run", "run"], 1: ["run", "run"]},
+def test_restarts_used_up_the_failing_host_is_left_out_then_rejoins(tmp_path, backend):
+    job = Job(tmp_path, 3, {2: [1], 0: ["run", "run"], 1: ["run", "run"]}, backend,
               max_restarts=0, rejoin_after=1.5)
     job.start()
     assert job.wait() == [0, 0, 0]
@@ -155,9 +180,9 @@ def test_restarts_used_up_the_failing_host_is_left_out_then_rejoins(tmp_path):
     assert sorted(s for s in job.starts() if s[2] == 2) == [[0, 0, 2], [1, 1, 2]]
 
 
-def test_an_interrupted_host_leaves_and_the_others_go_on(tmp_path):
+def test_an_interrupted_host_leaves_and_the_others_go_on(tmp_path, backend):
     job = Job(tmp_path, 3, {0: ["run", "finish"], 1: ["run"], 2: ["run", "finish"]},
-              min_workers=2)
+              backend, min_workers=2)
     job.start()
     while len(job.starts()) < 3:
         threading.Event().wait(0.05)
@@ -170,14 +195,14 @@ def test_an_interrupted_host_leaves_and_the_others_go_on(tmp_path):
     assert sorted(s for s in job.starts() if s[2] == 2) == [[0, 0, 2], [2, 1, 2]]
 
 
-def test_a_preempted_host_that_saves_slowly_is_not_in_the_next_generation(tmp_path):
+def test_a_preempted_host_that_saves_slowly_is_not_in_the_next_generation(tmp_path, backend):
     """The preempted host's worker saves until its launcher's 2 s grace
     period ends (longer than a heartbeat takes to go stale plus the leader's
     settle time) while its peers' workers exit 42 at once: its launcher still
     beats, yet the next generation is hosts 0 and 1, made once, from the
     preemption (before: hosts 0, 1 and 2 again, whose start then failed)."""
     job = Job(tmp_path, 3, {0: ["save-with-peer", "finish"], 1: ["save-with-peer", "finish"],
-                            2: ["slow-save"]}, min_workers=2)
+                            2: ["slow-save"]}, backend, min_workers=2)
     job.start()
     while len(job.starts()) < 3:
         threading.Event().wait(0.05)
@@ -212,8 +237,8 @@ def test_too_few_hosts_left_fails_the_job_on_every_host(tmp_path):
     assert "fewer than min_workers=2" in failed["reason"] and failed["code"] == 5
 
 
-def test_a_late_host_waits_then_joins_a_running_job(tmp_path):
-    job = Job(tmp_path, 3, {0: ["run", "finish"], 1: ["run", "finish"]},
+def test_a_late_host_waits_then_joins_a_running_job(tmp_path, backend):
+    job = Job(tmp_path, 3, {0: ["run", "finish"], 1: ["run", "finish"]}, backend,
               min_workers=2, rejoin_after=0.8)
     job.start([0, 1])
     while len(job.starts()) < 2:
@@ -224,10 +249,11 @@ def test_a_late_host_waits_then_joins_a_running_job(tmp_path):
     assert job.generations()[1]["save_first"] is True
 
 
-def test_the_directory_backend_and_the_memory_backend_agree(tmp_path):
-    """The same calls give the same records on both backends."""
+def test_the_backends_agree(tmp_path, etcd):
+    """The same calls give the same records on every backend."""
     stores = [MemoryRendezvous(MemoryRendezvous.Store(), 0, 2),
-              rendezvous.DirectoryRendezvous(str(tmp_path / "rz"), 0, 2)]
+              rendezvous.DirectoryRendezvous(str(tmp_path / "rz"), 0, 2),
+              EtcdRendezvous(f"etcd://{etcd}/agree", 0, 2)]
     for rz in stores:
         assert rz.latest() == (0, None)
         assert rz.propose(1, [0, 1], "2 of 2 hosts are up", 0)
@@ -239,14 +265,14 @@ def test_the_directory_backend_and_the_memory_backend_agree(tmp_path):
         rz.start_beating()  # a host that left and comes back under its rank
         assert rz.leaving() == ()
     try:
-        assert [rz.alive() for rz in stores] == [[0], [0]]
-        assert [rz.latest()[1]["members"] for rz in stores] == [[0, 1], [0, 1]]
+        assert [rz.alive() for rz in stores] == [[0]] * 3
+        assert [rz.latest()[1]["members"] for rz in stores] == [[0, 1]] * 3
         assert [{r: e["code"] for r, e in rz.exits(1).items()} for rz in stores] == [
-            {0: 42}, {0: 42}]
+            {0: 42}] * 3
     finally:
         for rz in stores:
             rz.stop_beating()
-    assert [rz.alive() for rz in stores] == [[], []]
+    assert [rz.alive() for rz in stores] == [[]] * 3
 
 
 def test_a_backend_must_implement_every_primitive():

@@ -1,4 +1,5 @@
-"""The rendezvous directory of elastic multi-host jobs, in one process."""
+"""The rendezvous of elastic multi-host jobs, in one process: the directory
+backend, and the etcd backend on a real etcd started here."""
 
 import os
 import time
@@ -55,3 +56,92 @@ def test_a_directory_of_a_job_that_ended_is_refused(tmp_path, ended):
     (tmp_path / ended).write_text("{}")
     with pytest.raises(ValueError, match=f"holds a job that ended \\(`{ended}`\\)"):
         Rendezvous(str(tmp_path), 0, 2)
+
+
+# -- the etcd backend, on a real etcd ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    from etcd_server import running_etcd
+
+    with running_etcd(str(tmp_path_factory.mktemp("etcd") / "data")) as address:
+        yield address
+
+
+def test_etcd_records_are_written_once_even_when_hosts_race(etcd):
+    import threading
+
+    from keras_dist.launchers.rendezvous import EtcdRendezvous
+
+    url = f"etcd://{etcd}/race"
+    hosts = [EtcdRendezvous(url, rank, 8) for rank in range(8)]
+    won = [None] * 8
+
+    def propose(rank):
+        won[rank] = hosts[rank].propose(1, [rank], f"host {rank}", 0)
+
+    threads = [threading.Thread(target=propose, args=(r,)) for r in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert won.count(True) == 1
+    winner = won.index(True)
+    assert all(h.latest() == (1, hosts[0].read("generation-1.json")) for h in hosts)
+    assert hosts[3].latest()[1]["members"] == [winner]
+    hosts[2].record_exit(1, 42)
+    hosts[2].record_exit(1, 1)  # once per host and generation
+    assert {r: e["code"] for r, e in hosts[0].exits(1).items()} == {2: 42}
+
+
+def test_an_etcd_heartbeat_is_a_lease_that_runs_out(etcd, monkeypatch):
+    import time
+
+    from keras_dist.launchers import rendezvous
+    from keras_dist.launchers.rendezvous import EtcdRendezvous
+
+    monkeypatch.setattr(rendezvous, "STALE_SECONDS", 2.0)
+    url = f"etcd://{etcd}/beats"
+    a, b = EtcdRendezvous(url, 0, 2), EtcdRendezvous(url, 1, 2)
+    assert b.alive() == []
+    a._beat()
+    assert b.alive() == [0]
+    b._beat()
+    assert a.alive() == [0, 1]
+    deadline = time.monotonic() + 10
+    while 0 in b.alive():  # host 0 stops renewing (its launcher died)
+        b._beat()
+        assert time.monotonic() < deadline, "a lease that is not renewed must run out"
+        time.sleep(0.2)
+    assert b.alive() == [1]
+    b._unbeat()  # leaving: gone at once, not after its lease
+    assert a.alive() == []
+
+
+def test_an_etcd_prefix_of_a_job_that_ended_is_refused(etcd):
+    from keras_dist.launchers.rendezvous import EtcdRendezvous
+
+    EtcdRendezvous(f"etcd://{etcd}/ended", 0, 1).finish("done", {"code": 0})
+    with pytest.raises(ValueError, match=r"holds a job that ended \(`done`\)"):
+        EtcdRendezvous(f"etcd://{etcd}/ended", 0, 1)
+    EtcdRendezvous(f"etcd://{etcd}/ended-not", 0, 1)  # a prefix is not a key prefix match
+
+
+@pytest.mark.parametrize("url", ["etcd://127.0.0.1/job", "etcd://127.0.0.1:2379",
+                                 "etcd://127.0.0.1:2379/", "http://127.0.0.1:2379/job",
+                                 "etcd://127.0.0.1:x/job"])
+def test_a_malformed_etcd_address_is_refused(url):
+    from keras_dist.launchers.rendezvous import EtcdRendezvous
+
+    with pytest.raises(ValueError, match=r"etcd://host:port/prefix"):
+        EtcdRendezvous(url, 0, 1)
+
+
+def test_no_etcd_at_the_address_is_said_before_any_work():
+    from keras_dist._cluster import loopback_ports
+    from keras_dist.launchers.rendezvous import EtcdRendezvous
+
+    (port,) = loopback_ports(1)
+    with pytest.raises(ValueError, match=rf"no etcd answers at http://127.0.0.1:{port}"):
+        EtcdRendezvous(f"etcd://127.0.0.1:{port}/job", 0, 1)

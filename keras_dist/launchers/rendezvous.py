@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import abc
 import json
+import math
 import os
 import signal
 import tempfile
@@ -259,6 +260,163 @@ class DirectoryRendezvous(Rendezvous):
             return None
 
 
+class EtcdRendezvous(Rendezvous):
+    """The rendezvous in etcd (v3), for clusters that already run it.
+
+    `etcd://host:port/prefix`: every record is the key `prefix/name`, made
+    once by a transaction that compares its creation revision with 0 (one
+    of several racing launchers wins). A heartbeat is the key
+    `prefix/alive-<rank>`, written again at each beat and attached to a
+    lease of `STALE_SECONDS` that each beat renews; its age is how long
+    ago the reader saw the key change, on the reader's own clock (no two
+    hosts' clocks are compared). A launcher that dies stops renewing: its
+    key goes when the lease runs out. Spoken over etcd's JSON gateway (`/v3/...`), with no client
+    library.
+    """
+
+    def __init__(self, url: str, rank: int, num_hosts: int, timeout: float = 10.0):
+        self.endpoint, self.prefix = parse_etcd_url(url)
+        self.timeout = timeout
+        super().__init__(rank, num_hosts)
+        self._lease = None
+        self._beats = 0
+        self._seen = {}  # rank -> (its heartbeat key's revision, when first seen)
+        try:
+            ended = [e for e in ("done", "failed") if self.read(e) is not None]
+        except OSError as e:
+            raise ValueError(
+                f"Invalid value for argument `rendezvous`: no etcd answers at "
+                f"{self.endpoint} ({e}). Received: rendezvous={url!r}. Start "
+                "etcd there, or give the address of one this host reaches."
+            ) from None
+        if ended:
+            raise ValueError(
+                f"Invalid value for argument `rendezvous`: {url!r} holds a job "
+                f"that ended (`{ended[0]}`). Give each job its own prefix (or "
+                "delete its keys: etcdctl del --prefix)."
+            )
+
+    def _call(self, path: str, body: dict) -> dict:
+        import urllib.request
+
+        request = urllib.request.Request(
+            f"{self.endpoint}/v3/{path}", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            return json.loads(response.read())
+
+    def _key(self, name: str) -> str:
+        return _b64(f"{self.prefix}/{name}")
+
+    def _write_once(self, name: str, content: dict) -> bool:
+        key = self._key(name)
+        answer = self._call("kv/txn", {
+            "compare": [{"key": key, "target": "CREATE", "create_revision": "0"}],
+            "success": [{"request_put": {"key": key, "value": _b64(json.dumps(content))}}],
+        })
+        return bool(answer.get("succeeded"))
+
+    def _range(self, name: str) -> dict | None:
+        kvs = self._call("kv/range", {"key": self._key(name)}).get("kvs", [])
+        return kvs[0] if kvs else None
+
+    def read(self, name: str) -> dict | None:
+        try:
+            kv = self._range(name)
+            return None if kv is None else json.loads(_unb64(kv.get("value", "")))
+        except ValueError:
+            return None
+
+    def _names(self) -> list[str]:
+        start = f"{self.prefix}/"
+        end = start[:-1] + chr(ord("/") + 1)  # every key under the prefix
+        kvs = self._call("kv/range", {"key": _b64(start), "range_end": _b64(end),
+                                      "keys_only": True}).get("kvs", [])
+        return [_unb64(kv["key"])[len(start):] for kv in kvs]
+
+    def _remove(self, name: str) -> None:
+        self._call("kv/deleterange", {"key": self._key(name)})
+
+    def _beat(self) -> None:
+        if self._lease is not None:
+            answer = self._call("lease/keepalive", {"ID": self._lease}).get("result", {})
+            if int(answer.get("TTL", 0)) <= 0:
+                self._lease = None  # ran out (this host was away): a new one
+        if self._lease is None:
+            self._lease = self._call(
+                "lease/grant", {"TTL": max(2, math.ceil(STALE_SECONDS))})["ID"]
+        self._beats += 1  # a new revision of the key: what others see change
+        self._call("kv/put", {"key": self._key(f"alive-{self.rank}"),
+                              "value": _b64(f"{os.getpid()} {self._beats}"),
+                              "lease": self._lease})
+
+    def _unbeat(self) -> None:
+        if self._lease is not None:
+            self._call("lease/revoke", {"ID": self._lease})  # its key goes with it
+            self._lease = None
+
+    def _beat_age(self, rank: int) -> float | None:
+        kv = self._range(f"alive-{rank}")
+        if kv is None:
+            return None
+        revision, now = kv.get("mod_revision"), time.monotonic()
+        seen = self._seen.get(rank)
+        if seen is None or seen[0] != revision:
+            # A new beat now; seen first: as old as its lease says (whole
+            # seconds: etcd counts a lease's time left in them).
+            age = 0.0
+            if seen is None and kv.get("lease"):
+                left = self._call("lease/timetolive", {"ID": kv["lease"]})
+                age = max(0.0, float(int(left.get("grantedTTL", 0))
+                                     - int(left.get("TTL", 0)) - 1))
+            self._seen[rank] = (revision, now - age)
+        return now - self._seen[rank][1]
+
+
+def parse_etcd_url(url: str) -> tuple[str, str]:
+    """(`http://host:port`, `/prefix`) of `etcd://host:port/prefix`.
+
+    Raises:
+        ValueError: naming `rendezvous`, for another form.
+    """
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    prefix = parts.path.rstrip("/")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "etcd" or not parts.hostname or port is None or not prefix:
+        raise ValueError(
+            "Invalid value for argument `rendezvous`. Expected a directory, or "
+            "etcd://host:port/prefix (a key prefix of this job's own). "
+            f"Received: rendezvous={url!r}."
+        )
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"http://{host}:{port}", prefix
+
+
+def _b64(text: str) -> str:
+    import base64
+
+    return base64.b64encode(text.encode()).decode()
+
+
+def _unb64(text: str) -> str:
+    import base64
+
+    return base64.b64decode(text).decode()
+
+
+def open_rendezvous(where: str, rank: int, num_hosts: int) -> Rendezvous:
+    """The rendezvous `--rendezvous` names: `etcd://host:port/prefix`, or a
+    directory on storage every host sees."""
+    if where.startswith("etcd:") or "://" in where:
+        return EtcdRendezvous(where, rank, num_hosts)  # refuses other schemes
+    return DirectoryRendezvous(where, rank, num_hosts)
+
+
 class MemoryRendezvous(Rendezvous):
     """The rendezvous in this process: the hosts of one job are threads
     that share `store` (a `MemoryRendezvous.Store`)."""
@@ -313,14 +471,15 @@ class ElasticHost:
     def __init__(self, command, hosts, rank, rendezvous, *, min_workers, rejoin_after,
                  max_restarts, log_dir, grace_period, verbose, timeouts,
                  worker_env=None):
-        """`rendezvous`: a directory on shared storage, or a `Rendezvous`;
+        """`rendezvous`: a directory on shared storage, `etcd://host:port/prefix`,
+        or a `Rendezvous`;
         `worker_env`: variables of this host's worker besides `TF_CONFIG`."""
         self.command = command
         self.worker_env = dict(worker_env or {})
         self.hosts = hosts
         self.rank = rank
         self.rz = (rendezvous if isinstance(rendezvous, Rendezvous)
-                   else DirectoryRendezvous(rendezvous, rank, len(hosts)))
+                   else open_rendezvous(rendezvous, rank, len(hosts)))
         self.job = policy.Job(len(hosts), min_workers, max_restarts, rejoin_after,
                               timeouts.start)
         self.log_dir = log_dir

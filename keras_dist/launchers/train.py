@@ -134,9 +134,10 @@ def launch(
             is before a host that came back joins, and how long the first
             generation waits for every host).
         rendezvous: Multi-host elastic jobs (`hosts`, `rank` and
-            `min_workers`): a directory on storage every host sees, where
-            the launchers agree on which hosts run (see
-            `keras_dist.launchers.rendezvous`).
+            `min_workers`): where the launchers agree on which hosts run:
+            a directory on storage every host sees, or
+            `etcd://host:port/prefix`, a key prefix of this job's own in an
+            etcd cluster (see `keras_dist.launchers.rendezvous`).
         gpus_per_worker: Non-negative integer or None (the default): the
             GPUs each worker started on this host gets, through its own
             `CUDA_VISIBLE_DEVICES` (0: none, the workers train on the

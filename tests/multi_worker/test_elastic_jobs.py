@@ -1,7 +1,6 @@
 """Tier 2: `keras-dist launch --min-workers` loses and regains workers, and the
 run is still the one an uninterrupted 2-worker job gives."""
 
-import json
 import os
 import random
 import re
@@ -261,7 +260,7 @@ def test_random_kill_shrink_grow_events(tmp_path, request):
     check_the_run(tmp_path, job, options, epochs)
 
 
-def start_host(tmp_path, hosts, rank, options, log):
+def start_host(tmp_path, hosts, rank, options, log, rendezvous=None):
     return subprocess.Popen(
         [sys.executable, "-m", "keras_dist.cli", "launch", "--hosts", ",".join(hosts),
          "--rank", str(rank), "--min-workers", "1", "--rejoin-after", "10",
@@ -269,7 +268,7 @@ def start_host(tmp_path, hosts, rank, options, log):
          # under load that took over 3 s (the worker was then SIGKILLed and
          # its host counted as lost, not preempted). A worker that exits on
          # its own never waits for the grace period.
-         "--rendezvous", str(tmp_path / "rendezvous"), "--grace-period", "20",
+         "--rendezvous", rendezvous or str(tmp_path / "rendezvous"), "--grace-period", "20",
          SCRIPT, str(tmp_path / "job"), str(tmp_path / "backup"), *options],
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES=""),
         stdout=log, stderr=subprocess.STDOUT, text=True,
@@ -287,20 +286,41 @@ def wait_until(condition, what, timeout=180):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_hosts_agree_through_a_rendezvous_directory(tmp_path):
+@pytest.fixture(params=["directory", "etcd"])
+def rendezvous(request, tmp_path):
+    """Where the launchers agree: a shared directory, or a real etcd on
+    127.0.0.1 (`etcd://host:port/prefix`); with a reader of its records."""
+    from keras_dist.launchers.rendezvous import open_rendezvous
+
+    if request.param == "directory":
+        where = str(tmp_path / "rendezvous")
+        yield where, lambda: open_rendezvous(where, 0, 3)
+        return
+    from etcd_server import running_etcd
+
+    with running_etcd(str(tmp_path / "etcd-data")) as address:
+        where = f"etcd://{address}/job"
+        yield where, lambda: open_rendezvous(where, 0, 3)
+
+
+def test_hosts_agree_through_a_rendezvous(tmp_path, rendezvous):
     """3 launchers (one per "host", all on 127.0.0.1) with --rendezvous: the
     host of the chief is lost (launcher and worker SIGKILLed) -> the other
     two go on, host 1's worker the chief; host 0 comes back -> the job grows
     back to 3, host 0's worker the chief again; host 2 is preempted (SIGTERM
     to its launcher: its worker saves, exits 42) -> hosts 0 and 1 finish,
-    not a step lost; the run = 2 workers uninterrupted."""
+    not a step lost; the run = 2 workers uninterrupted. On a shared
+    directory and on etcd."""
     from keras_dist._cluster import loopback_ports
+
+    where, reader = rendezvous
+    rz = reader()
 
     epochs = 20
     options = ["batch=12", "freq=2", "bn=1", f"epochs={epochs}"]
     hosts = [f"127.0.0.1:{p}" for p in loopback_ports(3)]
     logs = [open(tmp_path / f"host{r}.log", "a") for r in range(3)]
-    launchers = [start_host(tmp_path, hosts, r, [*options, "sleep=0.3"], logs[r])
+    launchers = [start_host(tmp_path, hosts, r, [*options, "sleep=0.3"], logs[r], where)
                  for r in range(3)]
     ids = tmp_path / "job" / "ids-rank0.txt"
 
@@ -308,7 +328,7 @@ def test_hosts_agree_through_a_rendezvous_directory(tmp_path):
         return sum(1 for line in open(ids) if line[:1].isdigit()) if ids.exists() else 0
 
     def generations():
-        return sorted(p.name for p in (tmp_path / "rendezvous").glob("generation-*.json"))
+        return [rz.read(f"generation-{n}.json") for n in range(1, rz.latest()[0] + 1)]
 
     try:
         wait_until(lambda: steps() >= 2, "the first steps")
@@ -319,7 +339,7 @@ def test_hosts_agree_through_a_rendezvous_directory(tmp_path):
         wait_until(lambda: len(generations()) >= 2, "the survivors' generation")
         before = steps()
         wait_until(lambda: steps() > before, "a step on 2 hosts")
-        launchers[0] = start_host(tmp_path, hosts, 0, [*options, "sleep=0.3"], logs[0])
+        launchers[0] = start_host(tmp_path, hosts, 0, [*options, "sleep=0.3"], logs[0], where)
         wait_until(lambda: len(generations()) >= 3, "the grown generation")
         before = steps()
         wait_until(lambda: steps() > before + 1, "steps on 3 hosts")
@@ -335,8 +355,7 @@ def test_hosts_agree_through_a_rendezvous_directory(tmp_path):
             log.close()
     out = {r: (tmp_path / f"host{r}.log").read_text() for r in range(3)}
     assert codes == [0, 0, 128 + signal.SIGTERM], out
-    rz = tmp_path / "rendezvous"
-    made = [json.loads((rz / name).read_text()) for name in generations()]
+    made = generations()
     assert [g["members"] for g in made] == [[0, 1, 2], [1, 2], [0, 1, 2], [0, 1]], made
     assert "lost" in made[1]["reason"] and "up again" in made[2]["reason"], made
     assert "[2] left, preempted (the workers saved a backup and exited 42)" in made[3]["reason"]
