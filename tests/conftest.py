@@ -19,6 +19,7 @@ collect_ignore = [
     "multi_worker/parity_main.py",
     "multi_worker/keras_tuner_main.py",
     "multi_worker/stress_main.py",
+    "multi_worker/pod_main.py",
     "dtensor/golden_main.py",
     "reliability/jobs.py",
     "_hidden",

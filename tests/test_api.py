@@ -51,7 +51,8 @@ def test_signatures():
         "verbose: 'bool' = False, start_timeout: 'float | None' = 300.0, "
         "hang_timeout: 'float | None' = 900.0, private_network: 'bool | None' = None, "
         "min_workers: 'int | None' = None, rejoin_after: 'float' = 60.0, "
-        "rendezvous: 'str | None' = None, gpus_per_worker: 'int | None' = None) -> 'int'"
+        "rendezvous: 'str | None' = None, gpus_per_worker: 'int | None' = None, "
+        "kubernetes: 'bool' = False) -> 'int'"
     )
     assert signature(keras_dist.launch_search) == (
         "(script: 'str', script_args: 'Sequence[str]' = (), *, "
