@@ -282,9 +282,10 @@ def _resolve_auto(options=None) -> tf.distribute.Strategy:
         strategy = _tpu(required=False)
         if strategy is not None:
             return strategy
-    if cluster is not None and cluster.task_type == "evaluator":
-        pass  # trains nothing: evaluates on its own devices, outside the cluster
-    elif cluster is not None and cluster.num_workers > 1:
+    # A job's evaluator trains nothing: it evaluates on its own devices,
+    # outside the training cluster (the local choice below).
+    evaluator = cluster is not None and cluster.task_type == "evaluator"
+    if cluster is not None and cluster.num_workers > 1 and not evaluator:
         return _multi_worker(options)
     if cluster is None and _cluster.slurm_num_tasks() > 1:
         return _multi_worker(options)
