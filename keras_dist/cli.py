@@ -177,6 +177,10 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--workers-per-trial", type=int, default=1,
                       help="processes that train each trial together")
     tune.add_argument("--port", type=int, help="the oracle's port (default: a free one)")
+    tune.add_argument("--gpus-per-worker", type=int, metavar="K",
+                      help="GPUs each tuner worker gets (through "
+                      "CUDA_VISIBLE_DEVICES; 0: none) (default: this machine's "
+                      "GPUs split evenly; the chief gets none)")
     tune.add_argument("--log-dir", help="write <label>.log files here "
                       "(default: prefixed lines on standard output)")
     tune.add_argument("--grace-period", type=float, default=5.0,
@@ -311,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                 start_timeout=args.start_timeout or None,
                 hang_timeout=args.hang_timeout or None,
                 private_network=args.private_network,
+                gpus_per_worker=args.gpus_per_worker,
             )
         except (ValueError, TypeError) as e:
             print(f"keras-dist tune: error: {_in_flags(e, args)}", file=sys.stderr)

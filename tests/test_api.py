@@ -61,7 +61,8 @@ def test_signatures():
         "grace_period: 'float' = 5.0, finish_timeout: 'float' = 300.0, "
         "module: 'bool' = False, verbose: 'bool' = False, "
         "start_timeout: 'float | None' = 300.0, "
-        "hang_timeout: 'float | None' = 900.0, private_network: 'bool | None' = None) -> 'int'"
+        "hang_timeout: 'float | None' = 900.0, private_network: 'bool | None' = None, "
+        "gpus_per_worker: 'int | None' = None) -> 'int'"
     )
     assert signature(keras_dist.DistributedModel.__init__) == (
         "(self, *args, strategy: 'StrategySpec' = 'auto', "

@@ -182,3 +182,37 @@ def test_auto_communication_is_nccl_where_the_workers_have_gpus(monkeypatch):
     assert strategy._communication_options("auto").implementation == implementation.NCCL
     assert strategy._communication_options("nccl").implementation == implementation.NCCL
     assert strategy._communication_options("ring").implementation == implementation.RING
+
+
+SEARCH = """
+import json, os, sys
+with open(os.path.join(sys.argv[1], os.environ["KERASTUNER_TUNER_ID"] + ".json"), "w") as f:
+    json.dump(os.environ.get("CUDA_VISIBLE_DEVICES"), f)
+"""
+
+
+@pytest.mark.multi_worker  # the chief imports TensorFlow and keras-tuner: ~15 s
+def test_each_tuner_worker_gets_its_own_gpus_and_the_chief_none(tmp_path, capfd,
+                                                                monkeypatch):
+    """`keras-dist tune`: the tuner workers split the GPUs as a launch's
+    workers do; the chief, which trains nothing, reserves none."""
+    search = tmp_path / "search.py"
+    search.write_text(SEARCH)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert cli.main(["tune", "--num-workers", "2", str(search), str(tmp_path)]) == 0
+    seen = {name: json.loads((tmp_path / f"{name}.json").read_text())
+            for name in ("chief", "tuner0", "tuner1")}
+    assert seen == {"chief": "", "tuner0": "0,1", "tuner1": "2,3"}
+    err = capfd.readouterr().err
+    assert ("GPUs (CUDA_VISIBLE_DEVICES): worker 0 0,1; worker 1 2,3 (the tuner "
+            "workers, in order; the chief trains nothing and gets none)") in err
+    assert cli.main(["tune", "--num-workers", "2", "--gpus-per-worker", "1", str(search),
+                     str(tmp_path)]) == 0
+    seen = {name: json.loads((tmp_path / f"{name}.json").read_text())
+            for name in ("chief", "tuner0", "tuner1")}
+    assert seen == {"chief": "", "tuner0": "0", "tuner1": "1"}
+    assert "worker 0 0; worker 1 1; 2 of 4 idle" in capfd.readouterr().err
+    status = cli.main(["tune", "--num-workers", "3", str(search), str(tmp_path)])
+    assert status == 2
+    assert "Invalid value for option --num-workers: 3 workers cannot share" in (
+        capfd.readouterr().err)

@@ -15,6 +15,7 @@ from keras_dist._checks import (
     check_local_workers,
     check_seconds,
 )
+from keras_dist.launchers import gpus
 from keras_dist.launchers.supervisor import (
     HANG_EXIT_CODE,
     Group,
@@ -44,6 +45,7 @@ def launch_search(
     start_timeout: float | None = 300.0,
     hang_timeout: float | None = 900.0,
     private_network: bool | None = None,
+    gpus_per_worker: int | None = None,
 ) -> int:
     """Runs `script` as the chief and tuner workers of a search; supervises them.
 
@@ -99,6 +101,13 @@ def launch_search(
             (exit status 124).
         private_network: True, False or None (the default: in its own
             network namespace where the machine can make one); see `launch`.
+        gpus_per_worker: Non-negative integer or None (the default): the
+            GPUs each tuner worker gets (`CUDA_VISIBLE_DEVICES`), as
+            `launch` gives its workers: None splits this machine's GPUs
+            evenly over the tuner workers, 0 hides them; an impossible
+            split is refused before anything starts. Where tuner workers
+            get GPUs, the chief (which trains nothing) gets none, so that
+            it reserves no GPU memory.
 
     Returns:
         The chief's exit status: 0 when the search finished (even if some
@@ -119,11 +128,14 @@ def launch_search(
     _check(script, num_workers, workers_per_trial, port, log_dir,
            grace_period, finish_timeout, module)
     timeouts = _liveness.Timeouts.checked(start_timeout, hang_timeout)
+    gpu_plan = gpus.plan(gpus.visible_gpus(), num_workers, gpus_per_worker)
     if _netns.wanted(private_network, local=True, received="a local search"):
         return _netns.relaunch(
             ["tune", "--num-workers", str(num_workers),
              "--workers-per-trial", str(workers_per_trial),
-             "--finish-timeout", repr(float(finish_timeout))],
+             "--finish-timeout", repr(float(finish_timeout)),
+             *(["--gpus-per-worker", str(gpus_per_worker)]
+               if gpus_per_worker is not None else [])],
             script, script_args, port=port, log_dir=log_dir,
             grace_period=grace_period, module=module, verbose=verbose,
             start_timeout=start_timeout, hang_timeout=hang_timeout,
@@ -140,7 +152,10 @@ def launch_search(
         # cannot read the search space, take a trial or report a score.
         "KERAS_DIST_ORACLE_SECRET": secrets.token_hex(32),
     }
-    processes = [("chief", dict(oracle, KERASTUNER_TUNER_ID="chief", TF_CONFIG=None))]
+    gpu_env = gpu_plan.environment if gpu_plan is not None else lambda index: {}
+    hidden = {gpus.VISIBLE: ""} if gpu_plan is not None else {}
+    processes = [("chief", dict(oracle, KERASTUNER_TUNER_ID="chief", TF_CONFIG=None,
+                                **hidden))]
     groups: dict[str, list[str]] = {}
     for g in range(num_workers // workers_per_trial):
         tuner_id = f"tuner{g}"
@@ -154,10 +169,10 @@ def launch_search(
                 for r in range(workers_per_trial)
             ]
         groups[tuner_id] = [label for label, _ in labels]
-        for label, config in labels:
-            processes.append(
-                (label, dict(oracle, KERASTUNER_TUNER_ID=tuner_id, TF_CONFIG=config))
-            )
+        for r, (label, config) in enumerate(labels):
+            processes.append((label, dict(oracle, KERASTUNER_TUNER_ID=tuner_id,
+                                          TF_CONFIG=config,
+                                          **gpu_env(g * workers_per_trial + r))))
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
     say(
@@ -165,6 +180,9 @@ def launch_search(
         f"worker(s)"
         + (f" in {len(groups)} groups of {workers_per_trial}" if workers_per_trial > 1 else "")
     )
+    if gpu_plan is not None:
+        say(f"{gpu_plan.describe(num_workers)} (the tuner workers, in order; the "
+            "chief trains nothing and gets none)")
     command = ["-m", "keras_dist._tune_run", *python_command(script, script_args, module)]
 
     def annotate(group, label, line):
