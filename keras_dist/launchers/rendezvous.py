@@ -1,4 +1,5 @@
-"""Elastic multi-host jobs: one launcher per host, agreeing through a directory.
+"""Elastic multi-host jobs: one launcher per host, agreeing through a
+directory (or an etcd key prefix: `EtcdRendezvous`).
 
 `keras-dist launch --hosts h0:p,h1:p,h2:p --rank I --min-workers K
 --rendezvous DIR` runs on every host. DIR is on storage every host sees
@@ -43,6 +44,7 @@ the job is done (`done` file) and every launcher exits 0.
 from __future__ import annotations
 
 import abc
+import base64
 import json
 import math
 import os
@@ -50,6 +52,8 @@ import signal
 import tempfile
 import threading
 import time
+import urllib.parse
+import urllib.request
 
 from keras_dist import _cluster
 from keras_dist.launchers import elastic_policy as policy
@@ -297,8 +301,6 @@ class EtcdRendezvous(Rendezvous):
             )
 
     def _call(self, path: str, body: dict) -> dict:
-        import urllib.request
-
         request = urllib.request.Request(
             f"{self.endpoint}/v3/{path}", data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"}, method="POST")
@@ -379,9 +381,7 @@ def parse_etcd_url(url: str) -> tuple[str, str]:
     Raises:
         ValueError: naming `rendezvous`, for another form.
     """
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
+    parts = urllib.parse.urlsplit(url)
     prefix = parts.path.rstrip("/")
     try:
         port = parts.port
@@ -398,14 +398,10 @@ def parse_etcd_url(url: str) -> tuple[str, str]:
 
 
 def _b64(text: str) -> str:
-    import base64
-
     return base64.b64encode(text.encode()).decode()
 
 
 def _unb64(text: str) -> str:
-    import base64
-
     return base64.b64decode(text).decode()
 
 

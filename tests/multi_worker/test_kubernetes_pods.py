@@ -99,8 +99,15 @@ def test_two_pods_of_an_indexed_job_train_to_one_devices_weights(tmp_path):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
                               keras.layers.Dense(1)])
     model.set_weights([ranks[0][f"initial{i}"] for i in range(count)])
-    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
-    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", metrics=["mae"])
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                        validation_split=0.25)
     for i, weight in enumerate(model.get_weights()):
         np.testing.assert_allclose(ranks[0][f"final{i}"], weight, atol=1e-5, err_msg=f"final{i}")
-    np.testing.assert_allclose(ranks[0]["loss"], history.history["loss"], rtol=1e-5)
+    # Every logged number (loss, mae, val_loss, val_mae), on both pods.
+    assert sorted(history.history) == ["loss", "mae", "val_loss", "val_mae"]
+    for rank in ranks:
+        assert sorted(k for k in rank.files if k.startswith("history/")) == [
+            f"history/{k}" for k in sorted(history.history)]
+        for key, values in history.history.items():
+            np.testing.assert_allclose(rank[f"history/{key}"], values, rtol=1e-5, err_msg=key)
