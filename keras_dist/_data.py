@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 
 import keras
@@ -286,3 +287,44 @@ def protect_python_batches(strategy: tf.distribute.Strategy, x):
     if inspect.isgenerator(x):
         return _copying_generator(x)
     return x
+
+
+# Arrays up to this size are hashed whole; larger ones by evenly spaced rows
+# (a backup's run identity must not cost a pass over tens of GB per fit).
+_HASHED_WHOLE_BYTES = 256 << 20
+_SAMPLED_ROWS = 4096
+
+
+def fingerprint(x, y=None, sample_weight=None) -> dict | None:
+    """What identifies a fit's training data across processes and restarts.
+
+    In-memory arrays: their shapes, dtypes and a digest of their values
+    (whole up to 256 MiB per array, else 4096 evenly spaced rows). A
+    `tf.data.Dataset`: its element spec and cardinality (its values are not
+    read: that would consume a pass, and a shuffled pipeline differs from
+    run to run). None for other inputs (generators, `PyDataset`s).
+    Returns `{"kind", "shapes", "digest"}`; equal data gives equal dicts.
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    if is_array_structure(x):
+        parts = [part for part in (x, y, sample_weight) if part is not None]
+        shapes = []
+        for leaf in tf.nest.flatten(parts):
+            array = np.asarray(leaf)
+            shapes.append(f"{tuple(array.shape)} {array.dtype}")
+            digest.update(shapes[-1].encode())
+            if array.ndim and array.nbytes > _HASHED_WHOLE_BYTES:
+                rows = np.linspace(0, len(array) - 1, _SAMPLED_ROWS).astype(np.int64)
+                array = array[rows]
+            if array.dtype == object:
+                digest.update(repr(array.tolist()).encode())
+            else:
+                digest.update(np.ascontiguousarray(array).tobytes())
+        return {"kind": "arrays", "shapes": ", ".join(shapes), "digest": digest.hexdigest()}
+    if isinstance(x, tf.data.Dataset):
+        spec = repr(x.element_spec)
+        cardinality = int(x.cardinality())
+        shapes = f"{spec}, cardinality {cardinality}"
+        digest.update(shapes.encode())
+        return {"kind": "dataset", "shapes": shapes, "digest": digest.hexdigest()}
+    return None

@@ -69,6 +69,8 @@ class FitSession:
     - `num_samples`, `batch_size` (global), `steps_per_epoch`, `dataset`
       (the training input, when it is a `tf.data.Dataset`).
     - `even_batches`: every batch splits evenly over the replicas.
+    - `training_data`: `(x, y, sample_weight)` as `fit` trains on them (after
+      a `validation_split`), for `data_fingerprint`.
     """
 
     def __init__(
@@ -90,11 +92,21 @@ class FitSession:
         self.steps_per_epoch: int | None = None
         self.dataset: tf.data.Dataset | None = None
         self.even_batches = False
+        self.training_data: tuple | None = None
+        self._fingerprint: dict | None = None
         self.step_wrappers: list[StepWrapper] = []
         self._roles: dict[str, Any] = {}
         self._teardowns: list[Callable[[], None]] = []
 
     # -- for callbacks ------------------------------------------------------
+
+    def data_fingerprint(self) -> dict | None:
+        """`_data.fingerprint` of the training data (computed once); None
+        when `fit` gave none or its kind has none."""
+        if self._fingerprint is None:
+            data = self.training_data
+            self._fingerprint = {"value": data and _data.fingerprint(*data)}
+        return self._fingerprint["value"]
 
     def claim(self, role: str, callback) -> None:
         """Makes `callback` the only one of its kind in this fit.

@@ -398,6 +398,7 @@ class DistributedModel(keras.Model):
             )
             validation_split = 0.0
         session = self._new_session(callbacks, x, batch_size, steps_per_epoch)
+        session.training_data = (x, y, sample_weight)
         cursor = session.cursor
         try:
             # Callbacks set up now: a backup to resume from gives the seed.

@@ -35,6 +35,9 @@ PREEMPTED_EXIT_CODE = _exit_codes.PREEMPTED
 """Exit status of a process that saved a backup on a preemption signal."""
 
 _FORMAT = store.FORMAT
+# What the chief tells every worker instead of a backup number.
+_IN_USE = -1  # another live run holds the directory's lock
+_OTHER_RUN = -2  # the newest backup is another run's (other training data)
 
 class BackupAndRestore(keras.callbacks.Callback):
     """Backs up training so that a killed or preempted job resumes exactly.
@@ -82,6 +85,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         preemption_signals: A signal, or a sequence of signals, that
             triggers a save-and-exit at the next step boundary, default
             `(signal.SIGTERM,)`. `None` or `()` disables it. Handlers are installed from the main thread only.
+        adopt_other_runs: Boolean, default False. A backup records what
+            its run trained on (the arrays' shapes and a digest of their
+            values; a dataset's element spec and cardinality); a fit on
+            other data refuses to resume from it, before any step and
+            without touching the directory. True resumes from it anyway.
+            (A `keras_dist` model's `fit` sees its data; under a plain
+            `keras.Model.fit` there is nothing to compare.)
 
     Example:
 
@@ -120,6 +130,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         max_to_keep: int = 2,
         save_every_seconds: float | None = None,
         preemption_signals: int | Sequence[int] | None = (signal.SIGTERM,),
+        adopt_other_runs: bool = False,
     ):
         super().__init__()
         _check_backup_dir(backup_dir)
@@ -131,6 +142,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         for name, value in (
             ("double_checkpoint", double_checkpoint),
             ("delete_checkpoint", delete_checkpoint),
+            ("adopt_other_runs", adopt_other_runs),
         ):
             if not isinstance(value, bool):
                 raise TypeError(
@@ -152,6 +164,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.max_to_keep = int(max_to_keep)
         self.save_every_seconds = save_every_seconds
         self.preemption_signals = _preemption.checked_signals(preemption_signals)
+        self.adopt_other_runs = adopt_other_runs
         self._selected = None  # chosen backup, from selection to end of fit
         self._session = None  # the DistributedModel.fit session, during one
         self._skipping = _fit_session.TrainFunctionOverride()
@@ -242,7 +255,20 @@ class BackupAndRestore(keras.callbacks.Callback):
         # it is read or removed.
         holder = store.lock(self.backup_dir) if self._chief else None
         chosen, state = (0, None) if holder or not self._chief else self._newest_intact()
-        chosen = _collectives.agree_sum(strategy, [-1 if holder else chosen])[0]
+        other_run = self._other_run(state) if state is not None else None
+        code = _IN_USE if holder else _OTHER_RUN if other_run else chosen
+        chosen = _collectives.agree_sum(strategy, [code])[0]
+        if chosen == _OTHER_RUN:
+            trained_on = other_run or "other data (the chief worker's error names it)"
+            raise ValueError(
+                "BackupAndRestore: the backups in `backup_dir` belong to another "
+                f"run. Received: backup_dir={self.backup_dir!r}, whose newest backup "
+                f"was written while training on {trained_on}. "
+                "Resuming would carry that run's weights and position into this "
+                "one. Give this run its own backup_dir, delete those backups if "
+                "that run is over, or pass adopt_other_runs=True to "
+                "BackupAndRestore to resume from them anyway."
+            )
         if chosen < 0:
             raise ValueError(
                 "Invalid value for argument `backup_dir`: another run is using "
@@ -282,6 +308,19 @@ class BackupAndRestore(keras.callbacks.Callback):
                     stacklevel=3,
                 )
         return 0, None
+
+    def _other_run(self, state: dict) -> str | None:
+        """What the backup's run trained on, when it is not this fit's data
+        (and adopting other runs was not asked for); else None."""
+        if self.adopt_other_runs or self._session is None:
+            return None
+        saved = state.get("data", {}).get("fingerprint")
+        current = self._session.data_fingerprint()
+        if saved is None or current is None or saved == current:
+            return None
+        if saved["shapes"] == current["shapes"]:
+            return f"{saved['kind']} of the same shapes ({saved['shapes']}) with other values"
+        return f"{saved['kind']} {saved['shapes']} (this fit: {current['kind']} {current['shapes']})"
 
     def _release(self) -> None:
         """Undoes what a fit that did not reach `on_train_end` left behind."""
@@ -438,7 +477,11 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "format": _FORMAT,
                 "sequence": sequence,
                 "position": self._position(),
-                "data": {"seed": getattr(self._cursor, "seed", None)},
+                "data": {
+                    "seed": getattr(self._cursor, "seed", None),
+                    "fingerprint": self._session.data_fingerprint()
+                    if self._session is not None and self._chief else None,
+                },
                 "fit": self._fit_arguments(),
                 "variables": {k: _resume.describe(v) for k, v in groups.items()},
                 "callbacks": callbacks,

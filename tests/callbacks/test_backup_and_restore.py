@@ -808,6 +808,67 @@ def test_a_backup_directory_in_use_by_a_live_run_is_refused_and_left_intact(
     assert not os.path.exists(backup_dir)  # deleted at the end, the lock too
 
 
+def contents(directory):
+    """Every file under `directory` with its bytes."""
+    found = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, directory)] = f.read()
+    return found
+
+
+def test_another_runs_backups_are_refused_unless_adopted(tmp_path, crashed_once, capsys):
+    # A finished or crashed run on other data left its backups (no lock):
+    # a fit on other data refuses them before any step and touches nothing;
+    # the run they belong to still resumes exactly afterwards.
+    backup_dir = str(tmp_path / "b")
+    shutil.copytree(crashed_once, backup_dir)
+    before = contents(backup_dir)
+    x_other, y_other = regression_data(n=64, seed=5)
+    dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(8)
+    for fit, trained_on in [
+        (dict(x=x_other, y=y_other, batch_size=8),
+         "arrays of the same shapes ((64, 6) float32, (64, 1) float32) with other values"),
+        (dict(x=X[:48], y=Y[:48], batch_size=8),
+         "arrays (64, 6) float32, (64, 1) float32 (this fit: arrays (48, 6) float32, "
+         "(48, 1) float32)"),
+        (dict(x=dataset), "arrays (64, 6) float32, (64, 1) float32 (this fit: dataset"),
+    ]:
+        model = make()
+        with pytest.raises(ValueError, match=re.escape(
+                f"belong to another run. Received: backup_dir={backup_dir!r}, whose "
+                f"newest backup was written while training on {trained_on}")) as error:
+            model.fit(**fit, epochs=EPOCHS, verbose=0,
+                      callbacks=[BackupAndRestore(backup_dir, save_freq=2)])
+        assert "pass adopt_other_runs=True to BackupAndRestore" in str(error.value)
+        assert int(model.optimizer.iterations.numpy()) == 0  # refused before a step
+        assert contents(backup_dir) == before
+    # Adopted when asked: the other data's fit resumes from the backup.
+    capsys.readouterr()
+    adopting = tmp_path / "adopting"
+    shutil.copytree(crashed_once, adopting)
+    model = make()
+    history = model.fit(x_other, y_other, batch_size=8, shuffle=True, epochs=EPOCHS,
+                        verbose=0, callbacks=[BackupAndRestore(
+                            str(adopting), save_freq=2, adopt_other_runs=True)])
+    assert "BackupAndRestore: restored" in capsys.readouterr().out
+    assert len(history.history["loss"]) == EPOCHS - 1  # resumed in the second epoch
+    # The run the backups belong to resumes to its uninterrupted weights.
+    model = make()
+    model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+              callbacks=[BackupAndRestore(backup_dir, save_freq=2)])
+    assert max_abs_diff(reference_weights(), model.get_weights()) < 1e-6
+
+
+def test_adopt_other_runs_must_be_a_bool(tmp_path):
+    with pytest.raises(TypeError, match=re.escape(
+            "Invalid type for argument `adopt_other_runs`. Expected a bool. "
+            "Received: adopt_other_runs='yes'")):
+        BackupAndRestore(str(tmp_path), adopt_other_runs="yes")
+
+
 def test_one_process_reuses_the_directory_it_holds(tmp_path):
     # A fit that raised keeps or releases the lock, and the next fit in the
     # same process (a notebook, a retry) uses the directory again.
