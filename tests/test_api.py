@@ -118,7 +118,8 @@ def test_callbacks_names_and_parity():
         "save_freq: \"Literal['epoch'] | int\" = 'epoch', "
         "double_checkpoint: 'bool' = False, delete_checkpoint: 'bool' = True, *, "
         "max_to_keep: 'int' = 2, save_every_seconds: 'float | None' = None, "
-        "preemption_signals: 'int | Sequence[int] | None' = (<Signals.SIGTERM: 15>,))"
+        "preemption_signals: 'int | Sequence[int] | None' = (<Signals.SIGTERM: 15>,), "
+        "adopt_other_runs: 'bool' = False)"
     )
     theirs = inspect.signature(keras.callbacks.BackupAndRestore.__init__)
     positional = [p for p in ours.parameters.values()

@@ -683,9 +683,16 @@ def test_backup_of_another_model_is_refused_by_name(tmp_path, crashed_once):
 def test_changed_fit_arguments_are_reported(tmp_path, crashed_once):
     backup_dir = str(tmp_path / "b")
     shutil.copytree(crashed_once, backup_dir)
+    # The same data, more epochs: the same run, resumed with a warning.
+    with pytest.warns(UserWarning, match=r"differs from the backed-up run \(epochs 3 -> 4\)"):
+        make().fit(X, Y, batch_size=8, epochs=4, verbose=0, callbacks=[
+            BackupAndRestore(backup_dir, save_freq=2, delete_checkpoint=False)])
+    # Other data is another run's: adopted only when asked, and reported.
+    shutil.rmtree(backup_dir)
+    shutil.copytree(crashed_once, backup_dir)
     with pytest.warns(UserWarning, match=r"differs from the backed-up run \(epochs 3 -> 4, num_samples 64 -> 56"):
-        make().fit(X[:56], Y[:56], batch_size=8, epochs=4, verbose=0,
-                   callbacks=[BackupAndRestore(backup_dir, save_freq=2)])
+        make().fit(X[:56], Y[:56], batch_size=8, epochs=4, verbose=0, callbacks=[
+            BackupAndRestore(backup_dir, save_freq=2, adopt_other_runs=True)])
 
 
 def test_state_file_records_position_and_seed(crashed_once):
