@@ -38,6 +38,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "DistributedModel": "keras_dist.distributed_model",
+    "SidecarEvaluator": "keras_dist.sidecar",
     "average_loss": "keras_dist.custom_loop",
     "describe": "keras_dist.strategy",
     "distribute": "keras_dist.distributed_model",
@@ -51,6 +52,7 @@ _EXPORTS = {
 
 __all__ = [
     "DistributedModel",
+    "SidecarEvaluator",
     "average_loss",
     "describe",
     "distribute",

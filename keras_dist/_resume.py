@@ -92,7 +92,7 @@ def check_compatible(saved: dict, groups: dict, backup_dir: str) -> None:
     """
     problems = [
         problem for group in ("model", "optimizer")
-        if (problem := _mismatch(group, describe(groups[group]), saved.get(group, [])))
+        if (problem := mismatch(group, describe(groups[group]), saved.get(group, [])))
     ]
     if problems:
         raise ValueError(
@@ -104,7 +104,8 @@ def check_compatible(saved: dict, groups: dict, backup_dir: str) -> None:
         )
 
 
-def _mismatch(group: str, ours: list, saved: list) -> str | None:
+def mismatch(group: str, ours: list, saved: list) -> str | None:
+    """What differs between a group of variables and a backup's (None: nothing)."""
     theirs = [list(d) for d in saved]
     if [d[1:] for d in ours] == [d[1:] for d in theirs]:
         return None

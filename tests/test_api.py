@@ -12,6 +12,7 @@ def signature(obj) -> str:
 def test_top_level_names():
     assert keras_dist.__all__ == [
         "DistributedModel",
+        "SidecarEvaluator",
         "average_loss",
         "describe",
         "distribute",
@@ -36,6 +37,11 @@ def test_signatures():
     )
     assert signature(keras_dist.average_loss) == (
         "(per_example_loss, sample_weight=None, *, model: 'keras.Model | None' = None)"
+    )
+    assert signature(keras_dist.SidecarEvaluator) == (
+        "(model, data, checkpoint_dir: 'str | os.PathLike', steps: 'int | None' = None, "
+        "max_evaluations: 'int | None' = None, callbacks=None, *, "
+        "poll_interval: 'float' = 1.0, timeout: 'float | None' = None, verbose: 'int' = 0)"
     )
     assert signature(keras_dist.describe) == "(strategy: 'StrategySpec | None' = None) -> 'str'"
     assert signature(keras_dist.distribute) == (

@@ -330,25 +330,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._session = None
 
     def _groups(self) -> dict:
-        model = self.model
-        sharded = getattr(model, "__keras_dist_backup_variables__", None)
-        if sharded is not None:
-            # A keras_dist.dtensor.ShardedModel: its state gathered from the
-            # mesh into host variables (scattered back by `__keras_dist_restore_backup_variables__`).
-            groups = sharded()
-            return {
-                "model": groups["model"] + _keras_compat.global_seed_variables(),
-                "optimizer": groups["optimizer"],
-                "metrics": list(model.metrics_variables),
-            }
-        optimizer = model.optimizer
-        if optimizer is not None and not optimizer.built and model.built:
-            optimizer.build(model.trainable_variables)
-        return {
-            "model": list(model.variables) + _keras_compat.global_seed_variables(),
-            "optimizer": list(optimizer.variables) if optimizer is not None else [],
-            "metrics": list(model.metrics_variables),
-        }
+        return backup_groups(self.model)
 
     def _plan(self, chosen: int, state: dict, model) -> _resume.ResumePlan:
         if state.get("format") != _FORMAT:
@@ -463,7 +445,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             "kind": cursor.kind,
         }
 
-    def _save(self) -> None:
+    def _save(self, final: bool = False) -> None:
+        """Writes the next backup; `final`: the last one of a finished fit."""
         groups = self._groups()
         sequence = self._sequence + 1
         target = self._save_target(sequence)
@@ -485,6 +468,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "fit": self._fit_arguments(),
                 "variables": {k: _resume.describe(v) for k, v in groups.items()},
                 "callbacks": callbacks,
+                "final": final,
                 "time": time.time(),
             }
             store.write_json(os.path.join(target, store.STATE), state)
@@ -714,11 +698,34 @@ class BackupAndRestore(keras.callbacks.Callback):
             # The final state: a later fit with this backup trains no more.
             self._epoch, self._step = self._epoch + 1, 0
             self._cursor.consumed = 0
-            self._save()
+            self._save(final=True)
         store.unlock(self.backup_dir)
         _keras_compat.set_initial_epoch(self.model, None)
         self._selected = None
         self._reset_run()
+
+
+def backup_groups(model, build_optimizer: bool = True) -> dict:
+    """The variables a backup holds, by group, in the order they are saved
+    (also what `keras_dist.SidecarEvaluator` restores)."""
+    sharded = getattr(model, "__keras_dist_backup_variables__", None)
+    if sharded is not None:
+        # A keras_dist.dtensor.ShardedModel: its state gathered from the
+        # mesh into host variables (scattered back by `__keras_dist_restore_backup_variables__`).
+        groups = sharded()
+        return {
+            "model": groups["model"] + _keras_compat.global_seed_variables(),
+            "optimizer": groups["optimizer"],
+            "metrics": list(model.metrics_variables),
+        }
+    optimizer = model.optimizer
+    if build_optimizer and optimizer is not None and not optimizer.built and model.built:
+        optimizer.build(model.trainable_variables)
+    return {
+        "model": list(model.variables) + _keras_compat.global_seed_variables(),
+        "optimizer": list(optimizer.variables) if optimizer is not None else [],
+        "metrics": list(model.metrics_variables),
+    }
 
 
 def _bind(skipping, original):
