@@ -13,6 +13,7 @@ keras_dist.simulate_replicas(NUM_LOGICAL_CPUS)
 
 # Scripts run as subprocesses by the multi-worker tests, not test modules.
 collect_ignore = [
+    "multi_worker/ray_main.py",
     "sidecar_train_main.py",
     "multi_worker/worker_main.py",
     "multi_worker/backup_main.py",

@@ -113,8 +113,13 @@ def test_callbacks_names_and_parity():
         "BackupAndRestore",
         "LearningRateScaler",
         "PerReplicaMetrics",
+        "RayReport",
         "ResourceMonitor",
     ]
+    assert str(inspect.signature(callbacks.RayReport.__init__)) == (
+        "(self, metrics: 'Sequence[str] | Mapping[str, str] | None' = None, "
+        "checkpoint: 'bool' = True)"
+    )
     assert str(inspect.signature(callbacks.ResourceMonitor.__init__)) == (
         "(self, update_freq: \"Literal['epoch'] | int\" = 'epoch', *, verbose: 'int' = 0)"
     )
