@@ -5,7 +5,8 @@ Options: input=numpy|dataset, spe=N, freq=epoch|N, epochs=N, batch=B (global),
 replicas=R (one process: R logical CPUs), dropout=RATE, bn=1 (BatchNormalization),
 kill=K / term=K (SIGKILL / SIGTERM this process after its K-th trained call,
 on rank `victim`, default 0), sleep=S (seconds after each trained call,
-until OUT_DIR/unpaced exists: a test done disturbing the job lets it end),
+until OUT_DIR/unpaced exists: a test done disturbing the job lets it end;
+while OUT_DIR/held exists, every worker waits after its step),
 seconds=S (save_every_seconds),
 killsave=K:STAGE (SIGKILL this process inside its K-th backup save: STAGE
 `files` = every file written, no manifest; `rename` = sealed, not renamed
@@ -132,6 +133,9 @@ class Tally(keras.callbacks.Callback):
         # A slower step, for jobs disturbed from outside.
         if "sleep" in opts and not os.path.exists(os.path.join(out_dir, "unpaced")):
             time.sleep(float(opts["sleep"]))
+        # Held at a step boundary while OUT_DIR/held exists (alive, not advancing).
+        while os.path.exists(os.path.join(out_dir, "held")):
+            time.sleep(0.05)
         if rank == int(opts.get("victim", 0)):
             if calls == int(opts.get("kill", -1)):
                 os.kill(os.getpid(), signal.SIGKILL)

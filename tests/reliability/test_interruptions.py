@@ -199,11 +199,29 @@ def test_ctrl_c_twice_stops_everything_at_once(tmp_path):
 def test_after_the_launcher_is_killed_the_rerun_resumes_exactly(tmp_path):
     # SIGKILL of the launcher (the OOM killer, a lost login shell) mid-epoch
     # 2: its workers end with it, and the same command again resumes from
-    # the last backup to the uninterrupted run's weights.
+    # the last backup to the uninterrupted run's weights (also after a
+    # second job was pointed at its backups while it trained).
     job, backup = tmp_path / "job", tmp_path / "backup"
     job.mkdir()
     proc = start_paced(job, backup, sleep=0.3, freq=2, steps=9)
-    proc.kill()
+    # A second job on the live job's backup directory (a re-run started
+    # too early): refused on both its workers before any step, naming the
+    # live run's chief; the live job's backups are left to it.
+    try:
+        (job / "held").touch()  # the live job waits after its next step
+        second = tmp_path / "second"
+        second.mkdir()
+        code, refused = launch(second, backup, "freq=2")
+        assert code != 0, refused
+        refusal = "ValueError: Invalid value for argument `backup_dir`: another run is using it."
+        assert refused.count(refusal) >= 2, refused  # each worker's (the second may be shortened)
+        assert f"{refusal} Received: backup_dir='{backup}', in use by pid " in refused, refused
+        assert not (second / "ids-rank0.txt").exists() or all(
+            line.startswith("start") for line in open(second / "ids-rank0.txt")), refused
+        assert proc.poll() is None  # the live job was not disturbed
+    finally:  # the live job ends here, as it would at a SIGKILL of its launcher
+        (job / "held").unlink(missing_ok=True)
+        proc.kill()
     out1, _ = proc.communicate(timeout=30)
     deadline = time.monotonic() + 5
     while job_processes(job) and time.monotonic() < deadline:
