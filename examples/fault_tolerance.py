@@ -60,9 +60,9 @@ def train(backup_dir: str, weights_path: str, epochs: int, kill_at_step: int | N
                 print(f"killed at optimizer step {step} (SIGKILL)", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    # keras_dist: BackupAndRestore must come first: it restores before the
-    # other callbacks start. A backup every 10 steps, written atomically;
-    # the resume replays the data order and skips the trained batches.
+    # keras_dist: a backup every 10 steps, written atomically; the resume
+    # replays the data order and skips the trained batches. Its place in the
+    # list does not matter: it restores before any callback's first batch.
     model.fit(x_train, y_train, batch_size=64, epochs=epochs, shuffle=True, verbose=0,
               callbacks=[BackupAndRestore(backup_dir, save_freq=10), Report()])
     print(f"finished at optimizer step {int(model.optimizer.iterations.numpy())}")

@@ -44,8 +44,10 @@ FAST_MODULES = {
 # `keras.wrappers`): 0.6-0.8 s of CPU in each of the ~200 TensorFlow
 # processes the tests start, none of which uses it (only keras-tuner's
 # BayesianOptimization does, in tests/tuner, inside pytest's own processes).
-# The processes the tests start find it hidden: tests/_hidden/sklearn raises
-# ImportError, as where it is not installed.
+# The same for pandas (0.5 s; Keras' array slicing imports it when present;
+# the test extra installs it for Ray, whose test gives its processes it back).
+# The processes the tests start find them hidden: tests/_hidden/<name>
+# raises ImportError, as where it is not installed.
 HIDDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_hidden")
 
 

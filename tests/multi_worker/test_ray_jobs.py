@@ -35,6 +35,13 @@ exec "$PYTHON" "$SCRIPT" 127.0.0.1:6379 "$WORK"
 """
 
 
+def unhidden_path() -> str:
+    """PYTHONPATH without tests/_hidden (see conftest.py): Ray Train imports pandas."""
+    hidden = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_hidden")
+    return os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                           if p and os.path.abspath(p) != hidden)
+
+
 def namespace_command() -> list[str]:
     flags = ["--net", "--pid", "--fork", "--mount-proc"]
     if os.geteuid() != 0:
@@ -52,7 +59,8 @@ def test_a_ray_worker_killed_mid_epoch_resumes_exactly_from_the_runs_backup(tmp_
         done = subprocess.run(
             namespace_command(), capture_output=True, text=True, timeout=900,
             env=dict(os.environ, WORK=str(tmp_path), RAY_TMP=ray_tmp, SCRIPT=SCRIPT,
-                     PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3"))
+                     PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3",
+                     PYTHONPATH=unhidden_path()))
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     logs = "".join((tmp_path / n).read_text()[-2000:] for n in ("head.log", "node.log")

@@ -1,0 +1,3 @@
+"""pandas, hidden from the processes the tests start (tests/conftest.py)."""
+
+raise ImportError("pandas is hidden from the processes the tests start")
