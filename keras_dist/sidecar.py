@@ -30,6 +30,9 @@ from keras_dist.callbacks.backup_and_restore import backup_groups
 # Errors of a checkpoint that training is writing or pruning right now:
 # tried again at the next look (a newer one usually replaces it).
 _IN_FLUX = (OSError, ValueError, tf.errors.OpError, store.CorruptBackupError)
+# Checkpoints in a row that fail to load before the error is raised: one
+# that training replaced while it was read does not fail three times.
+_FAILURES_IN_A_ROW = 3
 _KERAS_FILES = ("*.weights.h5", "*.keras")
 
 
@@ -59,7 +62,9 @@ class SidecarEvaluator:
     ended and deleted them), after a checkpoint whose number is
     `max_evaluations` or more (tf.keras' rule: the epoch of a backup, the
     last number in a file name such as `ckpt-{epoch}.weights.h5`), or after
-    `timeout` seconds without a new checkpoint.
+    `timeout` seconds without a new checkpoint. A checkpoint that fails to
+    load is skipped with a line saying why (training may be replacing it);
+    three in a row raise the last error (a model of another architecture).
 
     Args:
         model: A compiled Keras model (the same architecture as the one
@@ -138,7 +143,13 @@ class SidecarEvaluator:
 
     def start(self) -> list[dict]:
         """Evaluates checkpoints until one of the ends (see the class)."""
+        if not self.model.built:
+            raise ValueError(
+                "SidecarEvaluator: the model has no variables to load checkpoints "
+                f"into. Received: model {self.model.name!r}, not built. Build it "
+                "first (call it on one batch of inputs, or model.build(input_shape)).")
         seen, had_backups, waited_since, said_waiting = set(), False, time.monotonic(), False
+        failures = 0
         while True:
             had_backups = had_backups or bool(store.list_backups(self.checkpoint_dir))
             found = self._newest(seen)
@@ -158,10 +169,14 @@ class SidecarEvaluator:
             try:
                 final = self._load(found)
             except _IN_FLUX as error:
-                print(f"SidecarEvaluator: skipped {found.label}, which training is "
-                      f"writing or removing ({type(error).__name__}); looking again",
+                failures += 1
+                if failures >= _FAILURES_IN_A_ROW:
+                    raise
+                print(f"SidecarEvaluator: skipped {found.label} ({type(error).__name__}: "
+                      f"{error}); training may be writing or removing it: looking again",
                       flush=True)
                 continue
+            failures = 0
             self._evaluate(found)
             waited_since, said_waiting = time.monotonic(), False
             if final:
@@ -246,11 +261,6 @@ class SidecarEvaluator:
 
     def _load_backup(self, found: _Found) -> bool:
         state = store.verify(found.path)
-        if not self.model.built:
-            raise ValueError(
-                "SidecarEvaluator: the model has no variables to restore "
-                f"{found.path} into. Build it first (call it on one batch of "
-                "inputs, or model.build(input_shape)).")
         groups = backup_groups(self.model, build_optimizer=False)
         problem = _resume.mismatch("model", _resume.describe(groups["model"]),
                                    state["variables"].get("model", []))

@@ -2,8 +2,11 @@
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import keras
 import numpy as np
@@ -122,6 +125,44 @@ def test_bad_arguments_are_refused(tmp_path, kwargs, message):
     arguments = dict(model=evaluator_model(), data=(VAL_X, VAL_Y), checkpoint_dir=tmp_path)
     with pytest.raises(ValueError, match=re.escape(message)):
         keras_dist.SidecarEvaluator(**{**arguments, **kwargs})
+
+
+def test_an_unbuilt_model_is_refused_before_waiting(tmp_path):
+    model = keras.Sequential([keras.layers.Dense(1)], name="unbuilt")
+    model.compile("sgd", "mse")
+    with pytest.raises(ValueError, match=re.escape(
+            "Received: model 'unbuilt', not built. Build it first")):
+        keras_dist.SidecarEvaluator(model, (VAL_X, VAL_Y), tmp_path, timeout=60).start()
+
+
+def test_files_that_never_load_raise_after_three(tmp_path, capsys):
+    # Each new file of another architecture may be one that training is
+    # rewriting: the first two are skipped (said), the third raises.
+    staging, watched = tmp_path / "staging", tmp_path / "watched"
+    staging.mkdir()
+    watched.mkdir()
+    other = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+    other.save_weights(str(staging / "other.weights.h5"))
+
+    def training_writes():
+        for epoch in (1, 2, 3):
+            time.sleep(0.5)
+            target = watched / f"ckpt-{epoch}.weights.h5"
+            shutil.copy(staging / "other.weights.h5", target)
+            os.utime(target, (time.time() + epoch, time.time() + epoch))
+
+    writer = threading.Thread(target=training_writes)
+    writer.start()
+    evaluator = keras_dist.SidecarEvaluator(evaluator_model(), (VAL_X, VAL_Y), watched,
+                                            poll_interval=0.05, timeout=60)
+    try:
+        with pytest.raises(ValueError, match="could not be loaded"):
+            evaluator.start()
+    finally:
+        writer.join()
+    out = capsys.readouterr().out
+    assert out.count("SidecarEvaluator: skipped ckpt-") == 2, out
+    assert "training may be writing or removing it: looking again" in out
 
 
 def test_an_uncompiled_model_is_refused(tmp_path):
