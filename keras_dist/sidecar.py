@@ -42,7 +42,7 @@ class _Found:
     path: str
     key: tuple  # what identifies this checkpoint (a rewritten file is new)
     mtime: float
-    number: int | None  # its epoch (backups) or the last number in its name
+    number: int | None  # its epoch (backups) or the first number in its name
     label: str
 
 
@@ -60,8 +60,9 @@ class SidecarEvaluator:
     (`BackupAndRestore(delete_checkpoint=False)` writes one when `fit`
     ends), when the directory disappears after it held backups (`fit`
     ended and deleted them), after a checkpoint whose number is
-    `max_evaluations` or more (tf.keras' rule: the epoch of a backup, the
-    last number in a file name such as `ckpt-{epoch}.weights.h5`), or after
+    `max_evaluations` or more (a backup's number is its epoch; a file's
+    the first number in its name: `ckpt-{epoch}.weights.h5`,
+    `model.{epoch:02d}-{val_loss:.2f}.keras`), or after
     `timeout` seconds without a new checkpoint. A checkpoint that fails to
     load is skipped with a line saying why (training may be replacing it);
     three in a row raise the last error (a model of another architecture).
@@ -226,7 +227,7 @@ class SidecarEvaluator:
         if prefix is None:
             return None
         return _Found("checkpoint", prefix, ("checkpoint", prefix),
-                      _mtime(prefix + ".index"), _last_number(prefix), os.path.basename(prefix))
+                      _mtime(prefix + ".index"), _epoch_in_name(prefix), os.path.basename(prefix))
 
     def _keras_file(self) -> _Found | None:
         files = [p for pattern in _KERAS_FILES
@@ -238,7 +239,7 @@ class SidecarEvaluator:
             except OSError:
                 continue  # removed since the listing
             found.append(_Found("keras", path, ("keras", path, stat.st_mtime_ns, stat.st_size),
-                                stat.st_mtime, _last_number(path), os.path.basename(path)))
+                                stat.st_mtime, _epoch_in_name(path), os.path.basename(path)))
         return max(found, key=lambda c: (c.mtime, c.number or 0), default=None)
 
     # -- loading -------------------------------------------------------------
@@ -297,6 +298,8 @@ def _mtime(path: str) -> float:
         return 0.0
 
 
-def _last_number(path: str) -> int | None:
-    numbers = re.findall(r"\d+", os.path.basename(path).split(".")[0])
-    return int(numbers[-1]) if numbers else None
+def _epoch_in_name(path: str) -> int | None:
+    """The first number in a checkpoint's name (Keras' `{epoch}` comes first
+    in its documented patterns), or None."""
+    numbers = re.findall(r"\d+", os.path.basename(path))
+    return int(numbers[0]) if numbers else None

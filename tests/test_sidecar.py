@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import keras_dist
+from keras_dist import sidecar
 
 TRAINER = os.path.join(os.path.dirname(__file__), "sidecar_train_main.py")
 VAL_X = np.random.default_rng(1).random((64, 6)).astype("float32")
@@ -163,6 +164,13 @@ def test_files_that_never_load_raise_after_three(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("SidecarEvaluator: skipped ckpt-") == 2, out
     assert "training may be writing or removing it: looking again" in out
+
+
+@pytest.mark.parametrize("name, epoch", [
+    ("ckpt-3.weights.h5", 3), ("model.07-0.45.keras", 7), ("ckpt-12", 12), ("model.keras", None),
+])
+def test_a_files_number_is_the_first_in_its_name(name, epoch):
+    assert sidecar._epoch_in_name(f"/runs/run2/{name}") == epoch
 
 
 def test_an_uncompiled_model_is_refused(tmp_path):

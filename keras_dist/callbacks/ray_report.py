@@ -48,20 +48,20 @@ class RayReport(keras.callbacks.Callback):
                 f"Received: checkpoint={checkpoint!r}"
             )
         self.checkpoint = checkpoint
-        received = metrics
-        if isinstance(metrics, Sequence) and not isinstance(metrics, str):
-            metrics = {name: name for name in metrics if isinstance(name, str)}
-            metrics = metrics if len(metrics) == len(set(map(repr, received))) else None
-        if received is not None and not (
-            isinstance(metrics, Mapping)
-            and all(isinstance(n, str) for pair in metrics.items() for n in pair)
+        pairs = (
+            list(metrics.items()) if isinstance(metrics, Mapping)
+            else [(name, name) for name in metrics]
+            if isinstance(metrics, Sequence) and not isinstance(metrics, str) else None
+        )
+        if metrics is not None and (
+            pairs is None or not all(isinstance(n, str) for pair in pairs for n in pair)
         ):
             raise TypeError(
                 "Invalid type for argument `metrics`. Expected None, a list of "
                 "log names or a dict {reported name: log name}. Received: "
-                f"metrics={received!r}"
+                f"metrics={metrics!r}"
             )
-        self.metrics = dict(metrics) if metrics is not None else None
+        self.metrics = dict(pairs) if pairs is not None else None
 
     def on_train_begin(self, logs=None):
         try:
