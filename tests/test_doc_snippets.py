@@ -5,8 +5,9 @@ process in an empty directory; one whose first line is a "# continues the
 example above" comment runs after the snippets before it on its page, as a
 reader who copied them in order would; one whose first line is "# run with:
 keras-dist launch ... FILE.py" is saved as FILE.py and run with that
-command, as the page tells the reader. The examples' guides include the
-example files themselves, tested by test_examples.py.
+command, as the page tells the reader. Pages under docs/guides/ count too;
+a block that includes a whole example file (`--8<-- "examples/..."`) is
+skipped: the examples are tested by test_examples.py.
 """
 
 import glob
@@ -20,8 +21,11 @@ from helpers import run_concurrently
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(
-    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))
+    os.path.relpath(p, ROOT) for pattern in ("*.md", "guides/*.md")
+    for p in glob.glob(os.path.join(ROOT, "docs", pattern))
 )
+# A block that includes a whole example file (the example runs in test_examples.py).
+INCLUDE = "--8<-- "
 CONTINUES = "# continues the example above"
 LAUNCHED = re.compile(r"# run with: keras-dist (launch .*?(\S+\.py))\n")
 
@@ -33,6 +37,8 @@ def scripts():
         text = open(os.path.join(ROOT, page)).read()
         current = None
         for block in re.findall(r"^```python\n(.*?)^```", text, re.S | re.M):
+            if block.startswith(INCLUDE):
+                continue
             if block.startswith(CONTINUES):
                 assert current is not None, f"{page}: the first snippet continues nothing"
                 found[current] += "\n" + block
@@ -49,7 +55,7 @@ def test_the_pages_have_snippets():
     assert {name.split("#")[0] for name in SCRIPTS} >= {
         "README.md", "docs/getting_started.md", "docs/backup_and_restore.md",
         "docs/tuner.md", "docs/distributed_model.md", "docs/model_parallel.md",
-        "docs/from_keras.md",
+        "docs/from_keras.md", "docs/guides/fault_tolerance.md",
     }
 
 
