@@ -55,7 +55,7 @@ def test_the_pages_have_snippets():
     assert {name.split("#")[0] for name in SCRIPTS} >= {
         "README.md", "docs/getting_started.md", "docs/backup_and_restore.md",
         "docs/tuner.md", "docs/distributed_model.md", "docs/model_parallel.md",
-        "docs/from_keras.md", "docs/guides/fault_tolerance.md",
+        "docs/from_keras.md", "docs/guides/fault_tolerance.md", "docs/guides/multi_worker.md",
     }
 
 
