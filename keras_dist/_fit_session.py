@@ -94,6 +94,7 @@ class FitSession:
         self.even_batches = False
         self.training_data: tuple | None = None
         self._fingerprint: dict | None = None
+        self._fingerprinted = False
         self.step_wrappers: list[StepWrapper] = []
         self._roles: dict[str, Any] = {}
         self._teardowns: list[Callable[[], None]] = []
@@ -103,10 +104,11 @@ class FitSession:
     def data_fingerprint(self) -> dict | None:
         """`_data.fingerprint` of the training data (computed once); None
         when `fit` gave none or its kind has none."""
-        if self._fingerprint is None:
+        if not self._fingerprinted:
             data = self.training_data
-            self._fingerprint = {"value": data and _data.fingerprint(*data)}
-        return self._fingerprint["value"]
+            self._fingerprint = _data.fingerprint(*data) if data is not None else None
+            self._fingerprinted = True
+        return self._fingerprint
 
     def claim(self, role: str, callback) -> None:
         """Makes `callback` the only one of its kind in this fit.
