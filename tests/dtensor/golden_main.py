@@ -1107,6 +1107,10 @@ if __name__ == "__main__":
         for step in sys.argv[3:]:
             name, _, arg = step.partition("=")
             print(json.dumps({"step": name}), flush=True)
+            started = time.perf_counter()
             run(name, mesh, [arg] if arg else [])
+            # Where the time goes (the suite's budget): on stderr.
+            print(f"step {name} took {time.perf_counter() - started:.1f} s",
+                  file=sys.stderr, flush=True)
     else:
         run(mode, mesh, sys.argv[3:])
