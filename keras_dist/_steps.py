@@ -9,8 +9,10 @@ private Keras symbol they need is reached through `_keras_compat`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 import warnings
+import weakref
 
 import keras
 import tensorflow as tf
@@ -162,6 +164,83 @@ def _get_next_as_optional(iterator):
     return iterator.get_next_as_optional()
 
 
+def log_keys(logs: dict) -> list:
+    """The names a step's logs show under, nested dicts flattened (as
+    Keras shows `{"compile_metrics": {"mae": ...}}`: as `mae`)."""
+    keys = []
+    for key, value in logs.items():
+        keys += log_keys(value) if isinstance(value, dict) else [key]
+    return keys
+
+
+# The losses `compute_loss` returned in the replica steps traced:
+# {id(loss): (weak reference to it, its replica's rows)}.
+_SCALED_LOSSES: dict = {}
+
+
+def mark_scaled_loss(loss, x, y_pred):
+    """Remembers that `loss` is what `compute_loss` returned in a replica step.
+
+    Keras scales that loss by 1/N on N replicas (so that the optimizer's sum
+    of the replicas' gradients is the global batch's), and a custom
+    `train_step` written as Keras' guide writes it logs it as it is
+    (`metric.update_state(loss)` for the `loss` metric): 1/N of what one
+    device logs. `unscaling_update_state` tells that loss apart by identity.
+    """
+    if (
+        loss is None
+        or not tf.distribute.has_strategy()
+        or tf.distribute.in_cross_replica_context()
+        or tf.distribute.get_strategy().num_replicas_in_sync < 2
+    ):
+        return loss
+    leaves = [t for t in tf.nest.flatten((y_pred, x)) if t is not None]
+    rows = tf.cast(tf.shape(leaves[0])[0], tf.float32) if leaves else None
+    for key in [k for k, (ref, _) in _SCALED_LOSSES.items() if ref() is None]:
+        del _SCALED_LOSSES[key]  # their graphs are gone
+    _SCALED_LOSSES[id(loss)] = (weakref.ref(loss), rows)
+    return loss
+
+
+def _scaled_loss(value):
+    """The replica's rows if `value` is a loss `compute_loss` returned (else False)."""
+    ref, rows = _SCALED_LOSSES.get(id(value), (lambda: None, None))
+    return rows if ref() is value else False
+
+
+def unscaling_update_state(metric, even_batches: bool = False) -> None:
+    """Has `metric.update_state(loss)` log one device's value for a loss
+    `compute_loss` returned in this replica step.
+
+    Such a loss (1/N of this replica's mean) is logged as this replica's
+    mean weighted by its share of the global batch: the metric then gains,
+    per step, the global batch's mean loss with weight 1, as on one device
+    (also when the replicas' shares differ: one scalar all-reduce counts
+    the rows, skipped when every batch splits evenly). Any other call is
+    passed on unchanged. Set on the metric object (its class is shared).
+    """
+    original = metric.__dict__.get("_kd_update_state_of") or metric.update_state
+    marked = metric.__dict__.get("_kd_update_state")
+
+    @functools.wraps(original)
+    def update_state(*args, **kwargs):
+        rows = _scaled_loss(args[0]) if len(args) == 1 and not kwargs else False
+        if rows is False:
+            return original(*args, **kwargs)
+        loss = args[0]
+        context = tf.distribute.get_replica_context()
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        share = 1.0 / replicas
+        if rows is not None and not even_batches:
+            share = tf.math.divide_no_nan(rows, context.all_reduce("SUM", rows))
+        mean = _keras_compat.unscale_loss_for_distribution(loss)
+        return original(mean, sample_weight=tf.cast(share, mean.dtype))
+
+    if marked is not None and metric.__dict__.get("_kd_even") == even_batches:
+        return
+    # Straight into the object's __dict__: past Keras' attribute tracking.
+    metric.__dict__.update(_kd_update_state_of=original, _kd_update_state=update_state,
+                           _kd_even=even_batches, update_state=update_state)
 
 
 def train_step(model, data, *, even_batches: bool = False, gradient_monitor=None):

@@ -270,6 +270,18 @@ class DistributedModel(keras.Model):
             if self.optimizer is not None and self.built:
                 self.optimizer.build(self.trainable_variables)
 
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        # A custom step that logs this loss logs one device's value
+        # (`_steps.unscaling_update_state`, set up with the step functions).
+        return _steps.mark_scaled_loss(loss, x, y_pred)
+
+    def _kd_unscale_logged_losses(self):
+        session = self._kd_session
+        even = session is not None and session.even_batches
+        for metric in self.metrics:
+            _steps.unscaling_update_state(metric, even_batches=even)
+
     def train_step(self, data):
         session = self._kd_session
         if session is None:
@@ -294,6 +306,7 @@ class DistributedModel(keras.Model):
             (self.train_step, None) if session is None else session.compose(self.train_step)
         )
         self._kd_step_key = key
+        self._kd_unscale_logged_losses()
         self.train_function = _steps.make_function(self, step, before_input=before_input)
         return self.train_function
 
@@ -301,6 +314,7 @@ class DistributedModel(keras.Model):
         if self.test_function is not None and not force:
             return self.test_function
         self._kd_prepare_layers()
+        self._kd_unscale_logged_losses()
         self.test_function = _steps.make_function(self, self.test_step)
         return self.test_function
 
@@ -332,6 +346,13 @@ class DistributedModel(keras.Model):
             cached = (key, tf.function(get, autograph=False))
             object.__setattr__(self, "_kd_metrics_result", cached)  # untracked
         return cached[1]()
+
+    def _get_metrics_result_or_logs(self, logs):
+        # _keras_compat fix 7: the keys compared flattened.
+        metric_logs = self.get_metrics_result()
+        if isinstance(logs, dict) and set(_steps.log_keys(logs)) == set(metric_logs):
+            return metric_logs
+        return logs
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # A pass over the model that one device does not make (it builds

@@ -37,9 +37,6 @@ TOL = 1e-5
 # prediction, and every other optimizer's weights, keep TOL.
 TOL_ADAM_WEIGHTS = 1e-4
 ADAM_FAMILY = ("Adam", "AdamW", "Adamax", "Nadam", "Lamb")
-# Cases whose logged loss is Keras' distribution-scaled loss (see
-# tests/test_parity.py); their weights are compared exactly all the same.
-LOSS_SCALED_IN_LOGS = ("custom_train_step",)
 # Cases refused under multi-worker training, before any step, with the
 # message part given (see docs/parity.md).
 REFUSED_ON_WORKERS = {"optional_input": "`None` for an optional input is not supported"}

@@ -251,6 +251,89 @@ def test_a_custom_train_step_with_average_loss_is_exact_on_any_split():
     assert max_abs_diff(weights["default"], weights["mirrored"]) < TOL
 
 
+class GuideStep(keras.Model):
+    """Keras' guide "Customizing what happens in fit()": the loss
+    `compute_loss` returns, logged through `self.metrics`."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class OwnTracker(keras.Model):
+    """The same loss logged through a `Mean` of the model's own, in both
+    steps (the test step also overridden)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tracked = keras.metrics.Mean(name="tracked")
+
+    def step(self, data, training):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=training)
+            loss = self.compute_loss(y=y, y_pred=y_pred, training=training)
+        if training:
+            gradients = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        self.tracked.update_state(loss)
+        return {"tracked": self.tracked.result()}
+
+    @property
+    def metrics(self):
+        return [self.tracked]
+
+    def train_step(self, data):
+        return self.step(data, True)
+
+    def test_step(self, data):
+        return self.step(data, False)
+
+
+@pytest.mark.parametrize("form", [GuideStep, OwnTracker])
+@pytest.mark.parametrize("n, batch_size, rate", [
+    (80, 16, 0.05),  # every batch splits evenly on 2 and on 4 replicas
+    (73, 10, 0.0),   # 5/5 and 3/3/2/2, a last batch of 3: the logging alone (no
+                     # update: a custom step's update on an uneven split is Keras')
+])
+def test_a_custom_step_logs_the_loss_one_device_logs(form, n, batch_size, rate):
+    """A custom `train_step` logging what `compute_loss` returned logs one
+    device's numbers (Keras logs 1/N of it on N replicas), every epoch, in
+    evaluate too, on 2 and 4 replicas; the weights stay one device's."""
+    x, y = regression_data(n=n)
+    inputs = keras.Input((x.shape[1],))
+    initial = form(inputs, keras.layers.Dense(1)(keras.layers.Dense(8, "tanh")(inputs)))
+    weights = initial.get_weights()
+    logged, trained = {}, {}
+    for name, strategy in {"one device": None, **strategies()}.items():
+        inputs = keras.Input((x.shape[1],))
+        model = form(inputs, keras.layers.Dense(1)(keras.layers.Dense(8, "tanh")(inputs)))
+        model.set_weights(weights)
+        if strategy is not None:
+            model = keras_dist.distribute(model, strategy=strategy)
+        model.compile(keras.optimizers.SGD(rate), "mse", metrics=["mae"])
+        history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
+                            validation_data=(x[:20], y[:20]))
+        logged[name] = history.history
+        trained[name] = model.get_weights()
+    expected = logged.pop("one device")
+    for name, history in logged.items():
+        assert history.keys() == expected.keys(), name
+        for key, values in expected.items():
+            np.testing.assert_allclose(history[key], values, rtol=TOL, err_msg=f"{name}: {key}")
+        assert max_abs_diff(trained[name], trained["one device"]) < TOL
+
+
 def test_subclass_weights_live_on_the_strategy():
     model = Regressor(strategy="mirrored")
     model(np.zeros((4, 6), "float32"))  # built eagerly, outside any scope

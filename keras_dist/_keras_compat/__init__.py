@@ -47,6 +47,14 @@ the one model or strategy it is given:
    saves Keras' global SeedGenerator, and counts the iterators fit creates
    on the training input (`TFEpochIterator`) so that a seeded shuffle is
    positioned exactly.
+7. `_get_metrics_result_or_logs` logs the model's metrics (read across
+   replicas) at an epoch's end only when the step's logs have the same
+   keys; a custom `train_step` that returns `{m.name: m.result() for m in
+   self.metrics}` (Keras' guide) returns the compiled metrics nested under
+   `compile_metrics`, so the keys differ and Keras logs the last step's
+   per-replica results, averaged over the replicas: not the epoch's value
+   when the replicas' shares of a batch differ. The keys are compared
+   flattened, as Keras flattens the logs it shows.
 
 Tested against the Keras versions in `TESTED_KERAS_VERSIONS`.
 """
@@ -159,6 +167,7 @@ def _merged_pins(*tables: dict) -> dict:
 
 OVERRIDDEN = {
     "_maybe_symbolic_build": ("keras.Model",),
+    "_get_metrics_result_or_logs": ("keras.Model",),
 }
 """Private Keras methods keras_dist's classes override (name: owners)."""
 

@@ -16,7 +16,7 @@ import pytest
 
 from helpers import RequestCounter
 from multi_worker._cluster import run_workers
-from parity_cases import CASES, LOSS_SCALED_IN_LOGS, REFUSED_ON_WORKERS, compare
+from parity_cases import CASES, REFUSED_ON_WORKERS, compare
 
 pytestmark = pytest.mark.multi_worker
 
@@ -53,12 +53,6 @@ def run_and_compare(tmp_path, names, first=(), managed=False):
         for rank, results in enumerate(ranks):
             distributed = split(results, name, "keras_dist")
             plain = split(ranks[0], name, "plain")
-            if name in LOSS_SCALED_IN_LOGS:
-                # 2 replicas: Keras' distribution-scaled loss is half.
-                np.testing.assert_allclose(
-                    distributed.pop("history/loss") * 2, plain.pop("history/loss"),
-                    rtol=1e-5,
-                )
             problems += [f"{name} (worker {rank}): {p}" for p in compare(distributed, plain)]
         weights = [
             [v for k, v in sorted(split(r, name, "keras_dist").items())
