@@ -41,7 +41,8 @@ def shard(
         mesh: A `keras.distribution.DeviceMesh` over devices DTensor knows
             (`keras_dist.dtensor.initialize` first).
         layout_map: A `keras.distribution.LayoutMap`, a `LayoutMapper` to
-            apply to the model (default: `LayoutMapper(mesh)`), or
+            apply to the model (default: `LayoutMapper(mesh)`; on a mesh
+            without a "model" axis, every variable replicated), or
             `FullySharded()`: fully sharded data parallelism (each large
             variable and its optimizer slots split over the "batch" axis,
             gathered for each step).
@@ -841,7 +842,10 @@ def _axes_by_path(model, mesh, layout_map) -> dict:
     convolutions replicated (DTensor runs them only so), with a warning
     where the map said otherwise."""
     if layout_map is None:
-        layout_map = LayoutMapper(mesh)
+        # A mesh without a "model" axis (`{"batch": 4}`): data parallel,
+        # every variable whole on every device.
+        layout_map = (LayoutMapper(mesh) if "model" in mesh.axis_names
+                      else keras.distribution.LayoutMap(mesh))
     if isinstance(layout_map, FullySharded):
         # Every layer runs on gathered values: convolutions included.
         found = layout_map.layouts(model, mesh)
