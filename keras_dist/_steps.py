@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import types
 import warnings
 import weakref
@@ -174,73 +175,108 @@ def log_keys(logs: dict) -> list:
 
 
 # The losses `compute_loss` returned in the replica steps traced:
-# {id(loss): (weak reference to it, its replica's rows)}.
+# {id(loss): (weak reference to it, its replica's share of the global batch)}.
 _SCALED_LOSSES: dict = {}
+# Flags of the replica step being traced, in the replica's thread: `active`
+# while keras_dist's or Keras' own step computes its loss (it reweights and
+# logs the loss itself), `even_batches` in a train step of a run whose every
+# batch splits evenly.
+_OWN_STEP = threading.local()
 
 
-def mark_scaled_loss(loss, x, y_pred):
-    """Remembers that `loss` is what `compute_loss` returned in a replica step.
+def share_of_global_loss(loss, x, y_pred):
+    """This replica's share of the global batch's mean loss, from the loss
+    `compute_loss` returned in a replica step of a custom `train_step`.
 
-    Keras scales that loss by 1/N on N replicas (so that the optimizer's sum
-    of the replicas' gradients is the global batch's), and a custom
-    `train_step` written as Keras' guide writes it logs it as it is
-    (`metric.update_state(loss)` for the `loss` metric): 1/N of what one
-    device logs. `unscaling_update_state` tells that loss apart by identity.
+    Keras scales each replica's mean loss by 1/N on N replicas, so that the
+    optimizer's sum of the replicas' gradients is the global batch's; when
+    the replicas' shares of a batch differ (a short last batch, a size the
+    replicas do not divide) that sum is not one device's gradient. Here the
+    loss is reweighted by this replica's rows (n_r N / n, one scalar
+    all-reduce counts them; skipped when every batch splits evenly), as
+    keras_dist's own step does. The loss is also remembered, so that a step
+    written as Keras' guide writes it, which logs this loss as it is
+    (`metric.update_state(loss)`), logs one device's value
+    (`unscaling_update_state`).
     """
     if (
         loss is None
+        or getattr(_OWN_STEP, "active", False)
         or not tf.distribute.has_strategy()
         or tf.distribute.in_cross_replica_context()
         or tf.distribute.get_strategy().num_replicas_in_sync < 2
     ):
         return loss
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    share = 1.0 / replicas
     leaves = [t for t in tf.nest.flatten((y_pred, x)) if t is not None]
-    rows = tf.cast(tf.shape(leaves[0])[0], tf.float32) if leaves else None
+    if leaves and not getattr(_OWN_STEP, "even_batches", False):
+        rows = tf.cast(tf.shape(leaves[0])[0], tf.float32)
+        total = tf.distribute.get_replica_context().all_reduce("SUM", rows)
+        share = tf.math.divide_no_nan(rows, total)
+        loss = loss * tf.cast(share * replicas, loss.dtype)
     for key in [k for k, (ref, _) in _SCALED_LOSSES.items() if ref() is None]:
         del _SCALED_LOSSES[key]  # their graphs are gone
-    _SCALED_LOSSES[id(loss)] = (weakref.ref(loss), rows)
+    _SCALED_LOSSES[id(loss)] = (weakref.ref(loss), share)
     return loss
 
 
-def _scaled_loss(value):
-    """The replica's rows if `value` is a loss `compute_loss` returned (else False)."""
-    ref, rows = _SCALED_LOSSES.get(id(value), (lambda: None, None))
-    return rows if ref() is value else False
+def keras_own_step(step_function):
+    """Keras' own step (its `test_step`), which logs the loss with weights of
+    its own: `compute_loss` leaves the loss as Keras scales it there."""
+    return _with_flag(step_function, "active", True)
 
 
-def unscaling_update_state(metric, even_batches: bool = False) -> None:
+def evenly_split_step(step_function, even_batches: bool):
+    """A train step of a run whose every batch splits evenly over the
+    replicas (`even_batches`): `compute_loss` then needs no count of rows."""
+    return _with_flag(step_function, "even_batches", even_batches)
+
+
+def _with_flag(step_function, name: str, value: bool):
+    """`step_function` with `_OWN_STEP.<name>` set while it runs (traced in
+    each replica's thread)."""
+
+    def step(data):
+        setattr(_OWN_STEP, name, value)
+        try:
+            return step_function(data)
+        finally:
+            setattr(_OWN_STEP, name, False)
+
+    return step
+
+
+def _share(value):
+    """The replica's share if `value` is a loss `compute_loss` returned (else None)."""
+    ref, share = _SCALED_LOSSES.get(id(value), (lambda: None, None))
+    return share if ref() is value else None
+
+
+def unscaling_update_state(metric) -> None:
     """Has `metric.update_state(loss)` log one device's value for a loss
     `compute_loss` returned in this replica step.
 
-    Such a loss (1/N of this replica's mean) is logged as this replica's
-    mean weighted by its share of the global batch: the metric then gains,
-    per step, the global batch's mean loss with weight 1, as on one device
-    (also when the replicas' shares differ: one scalar all-reduce counts
-    the rows, skipped when every batch splits evenly). Any other call is
-    passed on unchanged. Set on the metric object (its class is shared).
+    Such a loss (this replica's mean times its share of the global batch) is
+    logged as the replica's mean weighted by its share: the metric then
+    gains, per step, the global batch's mean loss with weight 1, as on one
+    device. Any other call is passed on unchanged. Set on the metric object
+    (its class is shared).
     """
-    original = metric.__dict__.get("_kd_update_state_of") or metric.update_state
-    marked = metric.__dict__.get("_kd_update_state")
+    if "_kd_update_state_of" in metric.__dict__:
+        return
+    original = metric.update_state
 
     @functools.wraps(original)
     def update_state(*args, **kwargs):
-        rows = _scaled_loss(args[0]) if len(args) == 1 and not kwargs else False
-        if rows is False:
+        share = _share(args[0]) if len(args) == 1 and not kwargs else None
+        if share is None:
             return original(*args, **kwargs)
-        loss = args[0]
-        context = tf.distribute.get_replica_context()
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        share = 1.0 / replicas
-        if rows is not None and not even_batches:
-            share = tf.math.divide_no_nan(rows, context.all_reduce("SUM", rows))
-        mean = _keras_compat.unscale_loss_for_distribution(loss)
-        return original(mean, sample_weight=tf.cast(share, mean.dtype))
+        share = tf.cast(share, args[0].dtype)
+        return original(tf.math.divide_no_nan(args[0], share), sample_weight=share)
 
-    if marked is not None and metric.__dict__.get("_kd_even") == even_batches:
-        return
     # Straight into the object's __dict__: past Keras' attribute tracking.
-    metric.__dict__.update(_kd_update_state_of=original, _kd_update_state=update_state,
-                           _kd_even=even_batches, update_state=update_state)
+    metric.__dict__.update(_kd_update_state_of=original, update_state=update_state)
 
 
 def train_step(model, data, *, even_batches: bool = False, gradient_monitor=None):
@@ -281,10 +317,13 @@ def train_step(model, data, *, even_batches: bool = False, gradient_monitor=None
             y_pred = model(x, training=True)
         else:
             y_pred = model(x)
-        loss = _keras_compat.compute_loss(
-            model, 
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-        )
+        _OWN_STEP.active = True  # reweighted below, not by `compute_loss`
+        try:
+            loss = _keras_compat.compute_loss(
+                model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+            )
+        finally:
+            _OWN_STEP.active = False
         _keras_compat.loss_tracker(model).update_state(
             _keras_compat.unscale_loss_for_distribution(loss),
             sample_weight=tf.shape(

@@ -272,15 +272,14 @@ class DistributedModel(keras.Model):
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
-        # A custom step that logs this loss logs one device's value
+        # In a custom step: this replica's share of the global mean loss on
+        # any split, logged as one device's value where the step logs it
         # (`_steps.unscaling_update_state`, set up with the step functions).
-        return _steps.mark_scaled_loss(loss, x, y_pred)
+        return _steps.share_of_global_loss(loss, x, y_pred)
 
     def _kd_unscale_logged_losses(self):
-        session = self._kd_session
-        even = session is not None and session.even_batches
         for metric in self.metrics:
-            _steps.unscaling_update_state(metric, even_batches=even)
+            _steps.unscaling_update_state(metric)
 
     def train_step(self, data):
         session = self._kd_session
@@ -307,6 +306,8 @@ class DistributedModel(keras.Model):
         )
         self._kd_step_key = key
         self._kd_unscale_logged_losses()
+        if session is not None:
+            step = _steps.evenly_split_step(step, session.even_batches)
         self.train_function = _steps.make_function(self, step, before_input=before_input)
         return self.train_function
 
@@ -315,7 +316,10 @@ class DistributedModel(keras.Model):
             return self.test_function
         self._kd_prepare_layers()
         self._kd_unscale_logged_losses()
-        self.test_function = _steps.make_function(self, self.test_step)
+        step = self.test_step
+        if type(self).test_step is keras.Model.test_step:  # not the user's own
+            step = _steps.keras_own_step(step)
+        self.test_function = _steps.make_function(self, step)
         return self.test_function
 
     def make_predict_function(self, force=False):
