@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import keras_dist
 from helpers import max_abs_diff, mlp, optimizer, regression_data, two_replicas
-from parity_cases import Batches
+from parity_cases import Batches, CustomFit
 
 TOL = 1e-5
 
@@ -251,25 +251,6 @@ def test_a_custom_train_step_with_average_loss_is_exact_on_any_split():
     assert max_abs_diff(weights["default"], weights["mirrored"]) < TOL
 
 
-class GuideStep(keras.Model):
-    """Keras' guide "Customizing what happens in fit()": the loss
-    `compute_loss` returns, logged through `self.metrics`."""
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.compute_loss(y=y, y_pred=y_pred)
-        gradients = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
-
-
 class OwnTracker(keras.Model):
     """The same loss logged through a `Mean` of the model's own, in both
     steps (the test step also overridden)."""
@@ -300,7 +281,7 @@ class OwnTracker(keras.Model):
         return self.step(data, False)
 
 
-@pytest.mark.parametrize("form", [GuideStep, OwnTracker])
+@pytest.mark.parametrize("form", [CustomFit, OwnTracker])  # CustomFit: Keras' guide's step
 @pytest.mark.parametrize("n, batch_size", [
     (80, 16),  # every batch splits evenly on 2 and on 4 replicas
     (73, 10),  # 5/5 and 3/3/2/2, then a last batch of 3: 2/1 and 1/1/1/0
