@@ -281,7 +281,41 @@ class OwnTracker(keras.Model):
         return self.step(data, False)
 
 
-@pytest.mark.parametrize("form", [CustomFit, OwnTracker])  # CustomFit: Keras' guide's step
+class GuideNet(keras.Model):
+    """Keras' guide's step on a subclass with its own layers and `call`. Not
+    a subclass of `CustomFit`: Keras rewrites the bases of a `keras.Model`
+    subclass used functionally (as CustomFit is here), and its subclasses
+    would then need inputs and outputs."""
+
+    train_step = CustomFit.train_step
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, "tanh")
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+
+class DistributedGuideNet(GuideNet, keras_dist.DistributedModel):
+    """The same class on `keras_dist.DistributedModel` as its base."""
+
+
+def custom_step_model(form, x, strategy):
+    """The model of `form`, built, on one device (`strategy` None) or distributed."""
+    if form == "subclass on DistributedModel":
+        model = GuideNet() if strategy is None else DistributedGuideNet(strategy=strategy)
+        model(x[:1])
+        return model
+    inputs = keras.Input((x.shape[1],))
+    outputs = keras.layers.Dense(1)(keras.layers.Dense(8, "tanh")(inputs))
+    model = {"guide, functional": CustomFit, "own tracker": OwnTracker}[form](inputs, outputs)
+    return model if strategy is None else keras_dist.distribute(model, strategy=strategy)
+
+
+@pytest.mark.parametrize("form", ["guide, functional", "own tracker",
+                                  "subclass on DistributedModel"])
 @pytest.mark.parametrize("n, batch_size", [
     (80, 16),  # every batch splits evenly on 2 and on 4 replicas
     (73, 10),  # 5/5 and 3/3/2/2, then a last batch of 3: 2/1 and 1/1/1/0
@@ -291,19 +325,13 @@ def test_a_custom_step_trains_and_logs_as_one_device(form, n, batch_size):
     on any split (Keras weights each replica's mean equally) and logs one
     device's numbers (Keras logs 1/N of the loss `compute_loss` returned),
     every epoch, in evaluate too, on 2 and 4 replicas."""
-    rate = 0.05
     x, y = regression_data(n=n)
-    inputs = keras.Input((x.shape[1],))
-    initial = form(inputs, keras.layers.Dense(1)(keras.layers.Dense(8, "tanh")(inputs)))
-    weights = initial.get_weights()
+    weights = custom_step_model(form, x, None).get_weights()
     logged, trained = {}, {}
     for name, strategy in {"one device": None, **strategies()}.items():
-        inputs = keras.Input((x.shape[1],))
-        model = form(inputs, keras.layers.Dense(1)(keras.layers.Dense(8, "tanh")(inputs)))
+        model = custom_step_model(form, x, strategy)
         model.set_weights(weights)
-        if strategy is not None:
-            model = keras_dist.distribute(model, strategy=strategy)
-        model.compile(keras.optimizers.SGD(rate), "mse", metrics=["mae"])
+        model.compile(keras.optimizers.SGD(0.05), "mse", metrics=["mae"])
         history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
                             validation_data=(x[:21], y[:21]))  # 16 + 5: uneven
         logged[name] = history.history
