@@ -26,8 +26,8 @@ from keras_dist import (
     _liveness,
     _resume,
 )
+from keras_dist.callbacks import _background_write, _preemption
 from keras_dist.callbacks import _callback_states as callback_states
-from keras_dist.callbacks import _preemption
 from keras_dist.callbacks._sibling_hooks import SiblingHooks
 from keras_dist.strategy import worker_info
 
@@ -59,6 +59,14 @@ class BackupAndRestore(keras.callbacks.Callback):
     naming the bad file, in favour of the previous one. Under
     `MultiWorkerMirroredStrategy` every worker takes part in each save, only
     the chief's files persist, and all workers restore the same backup.
+
+    Training waits only while a save copies the state to host memory: the
+    files are written, sealed and committed on a background thread while
+    the next steps run. One write is in flight at a time (the next save
+    waits for it); the end of `fit` and a preemption wait for it, and a
+    failed write raises at the next of those. A process killed during a
+    write resumes from the backup before it. `wait_until_finished()` waits
+    for the write in flight.
 
     On a preemption signal (SIGTERM by default) the workers agree on the next
     step boundary, save there and exit with status `PREEMPTED_EXIT_CODE`
@@ -170,6 +178,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._skipping = _fit_session.TrainFunctionOverride()
         self._siblings = SiblingHooks()
         self._signals = _preemption.PreemptionSignals()
+        self._writes = _background_write.BackgroundWrite()
+        self._buffers = {}  # host memory of the last snapshot, reused by the next
+        self._host = {}  # the writing thread's host variables, reused likewise
         self._reset_run()
 
     # -- per-run state (reset at the start and end of every fit) -----------
@@ -324,6 +335,12 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _release(self) -> None:
         """Undoes what a fit that did not reach `on_train_end` left behind."""
+        try:
+            self._writes.wait()  # the backup in flight, before the lock goes
+        except RuntimeError as error:  # the fit's own error is on its way
+            warnings.warn(str(error), stacklevel=2)
+        self._buffers.clear()
+        self._host.clear()
         store.unlock(self.backup_dir)
         self._undo()
         self._selected = None
@@ -445,59 +462,81 @@ class BackupAndRestore(keras.callbacks.Callback):
             "kind": cursor.kind,
         }
 
-    def _save(self, final: bool = False) -> None:
-        """Writes the next backup; `final`: the last one of a finished fit."""
+    def _save(self, final: bool = False, wait: bool = False) -> None:
+        """Starts the next backup; `final`: the last one of a finished fit;
+        `wait`: returns once it is committed.
+
+        The state is copied to host memory now, at this step boundary, by
+        every worker; the chief's thread writes, seals and commits the copy
+        while training goes on (the write in flight before it is waited for
+        first, and its error raised here).
+        """
+        self._writes.wait()
         groups = self._groups()
         sequence = self._sequence + 1
-        target = self._save_target(sequence)
-        try:
-            checkpoint = tf.train.Checkpoint(**groups)
-            checkpoint.write(os.path.join(target, "variables"))
-            callbacks, arrays = callback_states.collect(self._callbacks(), self)
-            if arrays:
-                np.savez(os.path.join(target, "arrays.npz"), **arrays)
-            state = {
-                "format": _FORMAT,
-                "sequence": sequence,
-                "position": self._position(),
-                "data": {
-                    "seed": getattr(self._cursor, "seed", None),
-                    "fingerprint": self._session.data_fingerprint()
-                    if self._session is not None and self._chief else None,
-                },
-                "fit": self._fit_arguments(),
-                "variables": {k: _resume.describe(v) for k, v in groups.items()},
-                "callbacks": callbacks,
-                "final": final,
-                "time": time.time(),
-            }
-            store.write_json(os.path.join(target, store.STATE), state)
-            if self._chief:
-                store.seal(target)
-                store.commit(target, self.backup_dir, sequence)
-                store.prune(self.backup_dir, self.max_to_keep)
-        except (OSError, tf.errors.OpError) as error:
-            raise self._save_failed(sequence, error) from error
-        finally:
-            if not self._chief or os.path.exists(target):
-                shutil.rmtree(target, ignore_errors=True)
+        snapshot = _background_write.Snapshot.of(groups, self._buffers)
+        callbacks, arrays = callback_states.collect(self._callbacks(), self)
+        state = {
+            "format": _FORMAT,
+            "sequence": sequence,
+            "position": self._position(),
+            "data": {
+                "seed": getattr(self._cursor, "seed", None),
+                "fingerprint": self._session.data_fingerprint()
+                if self._session is not None and self._chief else None,
+            },
+            "fit": self._fit_arguments(),
+            "variables": {k: _resume.describe(v) for k, v in groups.items()},
+            "callbacks": callbacks,
+            "final": final,
+            "time": time.time(),
+        }
         self._sequence = sequence
         self._since_save = 0
         self._last_save_time = time.monotonic()
-
-    def _save_target(self, sequence: int) -> str:
-        """Where backup `sequence` is written before it is committed (the
-        chief's), or a scratch directory (another worker's)."""
         if not self._chief:
-            return tempfile.mkdtemp(prefix="keras_dist_backup_")
+            return  # only the chief's files persist
+        self._writes.start(lambda: self._write(sequence, snapshot, arrays, state))
+        if wait:
+            self._writes.wait()
+
+    def _write(self, sequence: int, snapshot, arrays: dict, state: dict) -> None:
+        """Writes, seals and commits backup `sequence` (the writing thread)."""
         target = os.path.join(
             self.backup_dir,
             f"{store.TMP_PREFIX}{store.backup_name(sequence)}-{os.getpid()}",
         )
-        if os.path.exists(target):
-            shutil.rmtree(target)
-        os.makedirs(target)
-        return target
+        try:
+            if os.path.exists(target):
+                shutil.rmtree(target)
+            os.makedirs(target)
+            snapshot.write(os.path.join(target, "variables"), self._host)
+            if arrays:
+                np.savez(os.path.join(target, "arrays.npz"), **arrays)
+            store.write_json(os.path.join(target, store.STATE), state)
+            store.seal(target)
+            store.commit(target, self.backup_dir, sequence)
+            store.prune(self.backup_dir, self.max_to_keep)
+        except (OSError, tf.errors.OpError) as error:
+            raise self._save_failed(sequence, error) from error
+        finally:
+            if os.path.exists(target):
+                shutil.rmtree(target, ignore_errors=True)
+
+    def wait_until_finished(self) -> None:
+        """Returns once the backup being written (if any) is committed.
+
+        A save copies the training state at its step boundary and writes it
+        while training goes on; the end of `fit`, a preemption and the next
+        save wait for it on their own. Call this where your code needs the
+        newest backup on disk now (before reading `backup_dir` from a
+        callback, say).
+
+        Raises:
+            RuntimeError: if that write failed (the backups saved before it
+                are intact).
+        """
+        self._writes.wait()
 
     def _save_failed(self, sequence: int, error: Exception) -> RuntimeError:
         kept = store.list_backups(self.backup_dir) if self._chief else []
@@ -659,7 +698,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._pending is None:
             return
         (preempted,), self._pending = self._pending, None
-        self._save()
+        self._save(wait=preempted)
         if preempted:
             self._signals.restore()
             self._skipping.remove()
@@ -691,6 +730,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._undo()
+        self._writes.wait()
         if self.delete_checkpoint:
             if self._chief:
                 store.delete_all(self.backup_dir)
@@ -698,7 +738,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             # The final state: a later fit with this backup trains no more.
             self._epoch, self._step = self._epoch + 1, 0
             self._cursor.consumed = 0
-            self._save(final=True)
+            self._save(final=True, wait=True)
+        self._buffers.clear()
+        self._host.clear()
         store.unlock(self.backup_dir)
         _keras_compat.set_initial_epoch(self.model, None)
         self._selected = None

@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import signal
+import threading
 import time
 from unittest import mock
 
@@ -145,10 +146,13 @@ def test_an_unbuilt_plain_model_gets_a_clear_error_and_keeps_its_backup(tmp_path
         return plain
 
     backup_dir = str(tmp_path / "b")
+    backup = BackupAndRestore(backup_dir, save_freq=1)
     with pytest.raises(RuntimeError, match="simulated crash"):
         model().fit(X, Y, batch_size=8, epochs=2, verbose=0, shuffle=False,
-                    callbacks=[BackupAndRestore(backup_dir, save_freq=1), Crash(3)])
+                    callbacks=[backup, Crash(3)])
+    backup.wait_until_finished()  # a plain fit that raised: its last write goes on
     saved = committed(backup_dir)
+    assert saved == [3, 2]
     with pytest.raises(ValueError, match="the model has no variables to restore the backup"):
         model().fit(X, Y, batch_size=8, epochs=2, verbose=0, shuffle=False,
                     callbacks=[BackupAndRestore(backup_dir, save_freq=1)])
@@ -355,11 +359,13 @@ def test_early_stopping_weights_missing_from_arrays_is_damage(tmp_path):
 def test_backups_are_atomic_and_bounded(tmp_path):
     backup_dir = str(tmp_path / "b")
     seen = []
+    backup = BackupAndRestore(backup_dir, save_freq=1, delete_checkpoint=False, max_to_keep=3)
 
     class Watch(keras.callbacks.Callback):
-        # A backup due at a batch is written after every callback's
-        # on_train_batch_end: look when the next batch begins.
+        # A backup due at a batch is started after every callback's
+        # on_train_batch_end: look when the next batch begins, once written.
         def on_train_batch_begin(self, batch, logs=None):
+            backup.wait_until_finished()
             names = os.listdir(backup_dir)
             seen.append(len(committed(backup_dir)))
             assert not [n for n in names if n.startswith(store.TMP_PREFIX)]
@@ -370,9 +376,7 @@ def test_backups_are_atomic_and_bounded(tmp_path):
                     assert f.read().strip() == store.backup_name(committed(backup_dir)[0])
 
     model = make()
-    model.fit(**fit_args("numpy"), epochs=2, verbose=0, callbacks=[
-        BackupAndRestore(backup_dir, save_freq=1, delete_checkpoint=False,
-                         max_to_keep=3), Watch()])
+    model.fit(**fit_args("numpy"), epochs=2, verbose=0, callbacks=[backup, Watch()])
     assert max(seen) == 3 and seen[:4] == [0, 1, 2, 3]
     state = store.verify(os.path.join(backup_dir, store.backup_name(committed(backup_dir)[0])))
     assert state["position"]["epoch"] == 2 and state["position"]["step"] == 0
@@ -552,6 +556,96 @@ def test_sigterm_saves_and_exits_then_resumes(tmp_path):
     assert max_abs_diff(reference_weights(), model.get_weights()) < 1e-6
 
 
+def held_seal(monkeypatch, release: threading.Event, seconds: float = 30.0) -> dict:
+    """Holds the first backup's write before its manifest (on the writing
+    thread) until `release` is set, at most `seconds`; says whether it was
+    released (a write on the training thread never is: the release comes
+    from a later batch)."""
+    seal, held = store.seal, {}
+
+    def sealing(directory):
+        if not held:
+            held["released"] = release.wait(seconds)
+            held["thread"] = threading.current_thread().name
+        return seal(directory)
+
+    monkeypatch.setattr(store, "seal", sealing)
+    return held
+
+
+def checkpoint_values(backup_dir, sequence, count):
+    """The first `count` model variables stored in backup `sequence`."""
+    reader = tf.train.load_checkpoint(
+        os.path.join(backup_dir, store.backup_name(sequence), "variables"))
+    return [reader.get_tensor(f"model/{i}/.ATTRIBUTES/VARIABLE_VALUE") for i in range(count)]
+
+
+def test_a_save_copies_its_step_and_writes_while_the_next_steps_train(tmp_path, monkeypatch):
+    backup_dir = str(tmp_path / "b")
+    two_steps_later = threading.Event()
+    held = held_seal(monkeypatch, two_steps_later)
+    at_step = {}
+
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 5:  # while the backup of batch 3 is being written
+                two_steps_later.set()
+
+        def on_train_batch_end(self, batch, logs=None):
+            at_step[batch] = [np.array(v) for v in self.model.variables]
+
+    model = make()
+    backup = BackupAndRestore(backup_dir, save_freq=4, delete_checkpoint=False, max_to_keep=3)
+    model.fit(**fit_args("numpy"), epochs=1, verbose=0, callbacks=[backup, Watch()])
+    assert held == {"released": True, "thread": "keras_dist-backup-write"}
+    assert committed(backup_dir) == [3, 2, 1]  # batches 3 and 7, then the end's
+    # Written while batches 4 and 5 trained, it holds batch 3's state.
+    stored = checkpoint_values(backup_dir, 1, len(at_step[3]))
+    assert max_abs_diff(stored, at_step[3]) == 0
+    assert max_abs_diff(stored, at_step[5]) > 1e-4
+    state = store.verify(os.path.join(backup_dir, store.backup_name(1)))
+    assert (state["position"]["epoch"], state["position"]["step"]) == (0, 4)
+    # The run resumed from it ends at the uninterrupted run's weights.
+    for sequence in (3, 2):
+        shutil.rmtree(os.path.join(backup_dir, store.backup_name(sequence)))
+    with open(os.path.join(backup_dir, store.POINTER), "w") as f:
+        f.write(store.backup_name(1))
+    monkeypatch.undo()
+    resumed = make()
+    resumed.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+                callbacks=[BackupAndRestore(backup_dir)])
+    assert max_abs_diff(reference_weights(), resumed.get_weights()) < 1e-6
+
+
+def test_a_preemption_during_a_write_waits_for_it_and_saves_once(tmp_path, monkeypatch, capsys):
+    backup_dir = str(tmp_path / "b")
+    signalled = threading.Event()
+    held = held_seal(monkeypatch, signalled)
+
+    class Term(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.model.optimizer.iterations.numpy() == 13:  # backup 1 in flight
+                os.kill(os.getpid(), signal.SIGTERM)
+                threading.Timer(0.5, signalled.set).start()  # once the save waits
+
+    model = make()
+    with pytest.raises(SystemExit) as exit_info:
+        model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+                  callbacks=[Term(), BackupAndRestore(backup_dir, save_freq=12)])
+    assert exit_info.value.code == PREEMPTED_EXIT_CODE
+    assert held["released"]
+    assert committed(backup_dir) == [2, 1]  # the write in flight, then the preemption's
+    positions = [store.verify(os.path.join(backup_dir, store.backup_name(n)))["position"]
+                 for n in (1, 2)]
+    assert [(p["epoch"], p["step"]) for p in positions] == [(1, 4), (1, 5)]
+    assert capsys.readouterr().out.count("preemption signal received; backup saved") == 1
+    monkeypatch.undo()
+    model = make()
+    model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+              callbacks=[BackupAndRestore(backup_dir)])
+    assert max_abs_diff(reference_weights(), model.get_weights()) < 1e-6
+
+
 def test_two_fits_in_a_row_and_a_fit_without_it_leak_nothing(tmp_path):
     backup_dir = str(tmp_path / "b")
     backup = BackupAndRestore(backup_dir, save_freq=3)
@@ -603,15 +697,16 @@ def test_plain_keras_model_resumes_unshuffled_input(tmp_path):
 def test_save_every_seconds_saves_on_time(tmp_path):
     backup_dir = str(tmp_path / "b")
     sequences = []
+    backup = BackupAndRestore(backup_dir, save_freq="epoch", save_every_seconds=1e-9)
 
     class Watch(keras.callbacks.Callback):
-        # A backup due at a batch is written after every callback's
-        # on_train_batch_end: look when the next batch begins.
+        # A backup due at a batch is started after every callback's
+        # on_train_batch_end: look when the next batch begins, once written.
         def on_train_batch_begin(self, batch, logs=None):
+            backup.wait_until_finished()
             sequences.append(committed(backup_dir)[:1])
 
-    make().fit(**fit_args("numpy"), epochs=1, verbose=0, callbacks=[
-        BackupAndRestore(backup_dir, save_freq="epoch", save_every_seconds=1e-9), Watch()])
+    make().fit(**fit_args("numpy"), epochs=1, verbose=0, callbacks=[backup, Watch()])
     # Every step boundary is past the (tiny) interval: one backup per step.
     assert [s[0] if s else 0 for s in sequences] == list(range(0, 8))
 

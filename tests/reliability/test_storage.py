@@ -49,14 +49,16 @@ def small_filesystem(path, size="4m"):
 class FillDisk(keras.callbacks.Callback):
     """Fills the filesystem after `at` steps (the next backup cannot fit)."""
 
-    def __init__(self, path, at):
+    def __init__(self, path, at, backup=None):
         super().__init__()
-        self.path, self.at, self.done = path, at, False
+        self.path, self.at, self.done, self.backup = path, at, False, backup
 
     def on_train_batch_end(self, batch, logs=None):
         if self.done or self.model.optimizer.iterations.numpy() < self.at:
             return
         self.done = True
+        if self.backup is not None:  # the backup being written lands first
+            self.backup.wait_until_finished()
         with open(os.path.join(self.path, "filler"), "wb") as f:
             try:
                 while True:
@@ -73,8 +75,9 @@ def test_a_full_disk_keeps_the_saved_backups_and_resumes_exactly(tmp_path):
         with pytest.raises(RuntimeError, match=(
                 r"writing backup \d+ to .* failed .*No space left on device.*"
                 r"already saved are intact \(newest: backup-\d+\)")):
+            backup = BackupAndRestore(backup_dir, save_freq=2)
             model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0, callbacks=[
-                BackupAndRestore(backup_dir, save_freq=2), FillDisk(disk, at=11)])
+                backup, FillDisk(disk, at=11, backup=backup)])
         kept = store.list_backups(backup_dir)
         assert kept and kept[0] == 5  # steps 2, 4, ..., 10
         for sequence in kept:
