@@ -6,7 +6,7 @@ both callbacks saving every `--every` steps, at two model sizes (4.8 MB
 and 57 MB of weights and Adam slots), and reports the extra time per save,
 the disk used per backup and the time a resume adds. Timing is taken after a warm-up epoch.
 
-Usage: python -m benchmarks.backup_stall [--steps 90] [--every 20] [--width 512]
+Usage: python -m benchmarks.backup_stall [--steps 220] [--every 50] [--width 512]
     [--large-width 2048] [--repeats 5]
 """
 
@@ -220,8 +220,8 @@ def run(args) -> dict:
 
 if __name__ == "__main__":
     p = _common.parser(__doc__)
-    p.add_argument("--steps", type=int, default=90)
+    p.add_argument("--steps", type=int, default=220)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--large-width", type=int, default=2048)
-    p.add_argument("--every", type=int, default=20, help="steps between saves")
+    p.add_argument("--every", type=int, default=50, help="steps between saves")
     _common.main(run, __doc__, p)
