@@ -10,6 +10,7 @@ and a preemption wait for it first, and its error is raised there.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,10 +54,6 @@ class Snapshot:
                 positions.append(index[id(variable)])
             layout[name] = positions
         return cls(values, layout)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(v.nbytes for v in self.values)
 
     def write(self, prefix: str, host: dict | None = None) -> None:
         """Writes the checkpoint `tf.train.Checkpoint(**groups).write(prefix)`
@@ -107,10 +104,6 @@ class BackgroundWrite:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    @property
-    def in_flight(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def start(self, write: Callable[[], None]) -> None:
         """Waits for the write in flight (raising its error), then starts `write`."""
         self.wait()
@@ -133,3 +126,16 @@ class BackgroundWrite:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+
+_WRITERS: dict[str, BackgroundWrite] = {}
+_WRITERS_LOCK = threading.Lock()
+
+
+def writer_for(directory: str) -> BackgroundWrite:
+    """The one writer of this process for `directory`: every callback on the
+    same `backup_dir` (a new one per fit, say) waits for the write another
+    left in flight before it reads or cleans the directory."""
+    key = os.path.realpath(directory)
+    with _WRITERS_LOCK:
+        return _WRITERS.setdefault(key, BackgroundWrite())

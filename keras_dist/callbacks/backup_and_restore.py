@@ -178,7 +178,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._skipping = _fit_session.TrainFunctionOverride()
         self._siblings = SiblingHooks()
         self._signals = _preemption.PreemptionSignals()
-        self._writes = _background_write.BackgroundWrite()
+        self._writes = _background_write.writer_for(self.backup_dir)
         self._buffers = {}  # host memory of the last snapshot, reused by the next
         self._host = {}  # the writing thread's host variables, reused likewise
         self._reset_run()
@@ -239,6 +239,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         shuffle seed of the interrupted run is part of the backup.
         """
         session.claim("backup", self)
+        self._settle()  # an earlier fit's last write, before choosing
         self._session = session
         session.add_teardown(self._release)
         state = self._select(session.strategy, fresh=True)
@@ -333,12 +334,17 @@ class BackupAndRestore(keras.callbacks.Callback):
             return f"{saved['kind']} of the same shapes ({saved['shapes']}) with other values"
         return f"{saved['kind']} {saved['shapes']} (this fit: {current['kind']} {current['shapes']})"
 
+    def _settle(self) -> None:
+        """Waits for a write that a fit which raised left in flight (its
+        error, if any, as a warning: the fit's own error came first)."""
+        try:
+            self._writes.wait()
+        except RuntimeError as error:
+            warnings.warn(str(error), stacklevel=3)
+
     def _release(self) -> None:
         """Undoes what a fit that did not reach `on_train_end` left behind."""
-        try:
-            self._writes.wait()  # the backup in flight, before the lock goes
-        except RuntimeError as error:  # the fit's own error is on its way
-            warnings.warn(str(error), stacklevel=2)
+        self._settle()  # the backup in flight, before the lock goes
         self._buffers.clear()
         self._host.clear()
         store.unlock(self.backup_dir)
@@ -557,7 +563,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         # Whatever an interrupted earlier fit left (it raised before
-        # on_train_end) is undone first.
+        # on_train_end) is undone first, its last write finished.
+        self._settle()
         self._undo()
         self._reset_run()
         context = self._session

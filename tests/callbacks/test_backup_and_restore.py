@@ -617,6 +617,39 @@ def test_a_save_copies_its_step_and_writes_while_the_next_steps_train(tmp_path, 
     assert max_abs_diff(reference_weights(), resumed.get_weights()) < 1e-6
 
 
+@pytest.mark.parametrize("same_callback", [True, False])
+def test_a_fit_after_one_that_raised_resumes_from_its_last_write(
+        same_callback, tmp_path, monkeypatch, capsys):
+    """A plain Keras fit that raises has no end hook: its last write may
+    still be in flight when the next fit on the directory (the same
+    callback, or a new one) chooses a backup."""
+    backup_dir = str(tmp_path / "b")
+    released = threading.Event()
+    held = held_seal(monkeypatch, released)
+
+    def plain():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((X.shape[1],)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        return model
+
+    reference = plain()
+    reference.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    backup = BackupAndRestore(backup_dir, save_freq=2)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        plain().fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                    callbacks=[backup, Crash(3)])  # the save of step 2 is held
+    assert not held and committed(backup_dir) == []
+    threading.Timer(0.5, released.set).start()
+    model = plain()
+    if not same_callback:
+        backup = BackupAndRestore(backup_dir, save_freq=2)
+    model.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[backup])
+    assert held["released"]
+    assert "BackupAndRestore: restored" in capsys.readouterr().out
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
+
+
 def test_a_preemption_during_a_write_waits_for_it_and_saves_once(tmp_path, monkeypatch, capsys):
     backup_dir = str(tmp_path / "b")
     signalled = threading.Event()
