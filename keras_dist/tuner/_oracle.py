@@ -9,6 +9,11 @@ messages, its servicer, its client). What is added around them:
   `worker_timeout` has its running trial ended as `INVALID` (keras-tuner then
   retries it, up to `max_retries_per_trial`, or marks it `FAILED`) and is
   forgotten, so a dead worker never keeps the chief waiting;
+- chief: a tuner told to wait (an `IDLE` trial: keras-tuner's Hyperband
+  between brackets, or the last trials of a search that may be retried) is
+  answered once a trial ends or after `IDLE_WAIT` s, not at once:
+  keras-tuner's worker asks again without pausing, and the round trips
+  took the CPU from the trials still running;
 - worker: the first contact waits at most `connect_timeout` for the chief,
   every call has a deadline of `call_timeout` (keras-tuner's is one hour),
   and while a trial runs a background thread calls `GetTrial` every
@@ -37,6 +42,8 @@ from keras_dist.tuner._kt_compat import OracleServicer, synchronized
 
 SECRET_ENV = "KERAS_DIST_ORACLE_SECRET"
 _WAIT_NOTICE_AFTER = 10.0  # a longer wait for the chief is said once
+IDLE_WAIT = 0.5  # longest hold of an IDLE answer (a trial's end answers sooner)
+_SERVER_THREADS = 32  # calls served at once: held IDLE answers among them
 _METADATA_KEY = "keras-dist-oracle-secret"
 _secret: str | None = None  # taken out of the environment by `take_secret`
 
@@ -128,6 +135,7 @@ class _Servicer(OracleServicer):
         # Tuner ids known from a reloaded state start their clock now.
         self.last_seen = {tuner_id: now for tuner_id in oracle.tuner_ids}
         self.last_seen.update({t: now for t in oracle.ongoing_trials})
+        self.trial_ended = threading.Condition()
 
     def _seen(self, tuner_id=None, trial_id=None) -> None:
         now = time.monotonic()
@@ -153,12 +161,22 @@ class _Servicer(OracleServicer):
     def CreateTrial(self, request, context):
         self._seen(tuner_id=request.tuner_id)
         if _should_wait(self.oracle, request.tuner_id):
-            trial = kt.Trial(
-                self.oracle.hyperparameters.copy(),
-                status=kt.TrialStatus.IDLE,
-            )
-            return kt.protos.get_service().CreateTrialResponse(trial=trial.to_proto())
-        return super().CreateTrial(request, context)
+            self._hold()
+            if _should_wait(self.oracle, request.tuner_id):
+                trial = kt.Trial(
+                    self.oracle.hyperparameters.copy(),
+                    status=kt.TrialStatus.IDLE,
+                )
+                return kt.protos.get_service().CreateTrialResponse(trial=trial.to_proto())
+        response = super().CreateTrial(request, context)
+        if kt.TrialStatus.from_proto(response.trial.status) == kt.TrialStatus.IDLE:
+            self._hold()  # the oracle's own IDLE (Hyperband between brackets)
+        return response
+
+    def _hold(self) -> None:
+        """Until a trial ends, at most `IDLE_WAIT` s (the tuner asks again)."""
+        with self.trial_ended:
+            self.trial_ended.wait(IDLE_WAIT)
 
     def UpdateTrial(self, request, context):
         self._seen(trial_id=request.trial_id)
@@ -167,7 +185,11 @@ class _Servicer(OracleServicer):
     def EndTrial(self, request, context):
         self._seen(trial_id=request.trial.trial_id)
         _forget_retry(self.oracle, request.trial.trial_id)
-        return super().EndTrial(request, context)
+        try:
+            return super().EndTrial(request, context)
+        finally:
+            with self.trial_ended:
+                self.trial_ended.notify_all()
 
     def GetTrial(self, request, context):
         self._seen(trial_id=request.trial_id)
@@ -229,7 +251,7 @@ def serve(oracle, *, worker_timeout: float, poll: float = 0.2) -> None:
     """Runs the oracle service at KERASTUNER_ORACLE_IP:PORT until the end."""
     address = oracle_address()
     value = secret()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=_SERVER_THREADS),
                          interceptors=[_RequireSecret(value)] if value else None)
     servicer = _Servicer(oracle)
     kt.protos.get_service_grpc().add_OracleServicer_to_server(servicer, server)
