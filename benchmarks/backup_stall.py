@@ -127,16 +127,19 @@ def stalls(args, width, steps, every):
             d, save_freq=every, delete_checkpoint=False),
         ours_name: lambda d: BackupAndRestore(d, save_freq=every, delete_checkpoint=False),
     }
-    measured = {name: [] for name in variants}
+    hooks_of = {name: [] for name in variants}  # the hooks' seconds, every run
+
+    def measure(name, factory):
+        seconds, in_hooks = timed_fit(width, x, y, steps, factory)
+        hooks_of[name].append(in_hooks)
+        return seconds
+
     times = _common.interleave(
-        {name: (lambda f=factory, n=name: measured[n].append(timed_fit(width, x, y, steps, f))
-                or measured[n][-1][0])
-         for name, factory in variants.items()},
+        {name: (lambda n=name, f=factory: measure(n, f)) for name, factory in variants.items()},
         _common.repeats(args, 5), warmup=0 if args.quick else 1,
     )
-    rounds = len(times["no backup"])
-    in_hooks = {name: [hooks for _, hooks in values[-rounds:]]
-                for name, values in measured.items()}
+    rounds = len(times["no backup"])  # the warm-up round's runs come first
+    in_hooks = {name: values[-rounds:] for name, values in hooks_of.items()}
     restores = _common.interleave({
         "keras": lambda: restore_seconds(width, x, y, every, lambda d: (
             keras.callbacks.BackupAndRestore(d, delete_checkpoint=False))),

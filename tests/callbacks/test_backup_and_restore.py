@@ -65,8 +65,23 @@ _REFERENCE = {}
 def reference_weights():
     """The uninterrupted numpy run's final weights, computed once."""
     if "numpy" not in _REFERENCE:
-        _REFERENCE["numpy"] = reference("numpy")[0].get_weights()
+        model, history = reference("numpy")
+        _REFERENCE["numpy"] = model.get_weights()
+        _REFERENCE["numpy history"] = history.history
     return _REFERENCE["numpy"]
+
+
+def reference_history():
+    """The uninterrupted numpy run's logged loss and mae per epoch."""
+    reference_weights()
+    return _REFERENCE["numpy history"]
+
+
+def assert_logs_as_uninterrupted(history, epochs):
+    """The last `epochs` epochs logged as the uninterrupted run logged them."""
+    expected = reference_history()
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(history.history[key], expected[key][-epochs:], rtol=1e-5)
 
 
 def reference(source, spe=1, callbacks=(), keras_order=False):
@@ -612,9 +627,10 @@ def test_a_save_copies_its_step_and_writes_while_the_next_steps_train(tmp_path, 
         f.write(store.backup_name(1))
     monkeypatch.undo()
     resumed = make()
-    resumed.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
-                callbacks=[BackupAndRestore(backup_dir)])
+    history = resumed.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+                          callbacks=[BackupAndRestore(backup_dir)])
     assert max_abs_diff(reference_weights(), resumed.get_weights()) < 1e-6
+    assert_logs_as_uninterrupted(history, EPOCHS)  # epoch 1 from batch 3's metrics
 
 
 @pytest.mark.parametrize("same_callback", [True, False])
@@ -634,7 +650,7 @@ def test_a_fit_after_one_that_raised_resumes_from_its_last_write(
         return model
 
     reference = plain()
-    reference.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    expected = reference.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
     backup = BackupAndRestore(backup_dir, save_freq=2)
     with pytest.raises(RuntimeError, match="simulated crash"):
         plain().fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0,
@@ -644,10 +660,12 @@ def test_a_fit_after_one_that_raised_resumes_from_its_last_write(
     model = plain()
     if not same_callback:
         backup = BackupAndRestore(backup_dir, save_freq=2)
-    model.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[backup])
+    history = model.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[backup])
     assert held["released"]
     assert "BackupAndRestore: restored" in capsys.readouterr().out
     assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
+    np.testing.assert_allclose(history.history["loss"], expected["loss"], rtol=1e-5)
 
 
 def test_a_preemption_during_a_write_waits_for_it_and_saves_once(tmp_path, monkeypatch, capsys):
@@ -674,9 +692,10 @@ def test_a_preemption_during_a_write_waits_for_it_and_saves_once(tmp_path, monke
     assert capsys.readouterr().out.count("preemption signal received; backup saved") == 1
     monkeypatch.undo()
     model = make()
-    model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
-              callbacks=[BackupAndRestore(backup_dir)])
+    history = model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+                        callbacks=[BackupAndRestore(backup_dir)])
     assert max_abs_diff(reference_weights(), model.get_weights()) < 1e-6
+    assert_logs_as_uninterrupted(history, EPOCHS - 1)  # from epoch 2, step 5
 
 
 def test_two_fits_in_a_row_and_a_fit_without_it_leak_nothing(tmp_path):
