@@ -443,6 +443,9 @@ class DistributedModel(keras.Model):
                     validation_data, validation_batch_size or batch_size or 32
                 )
             session.dataset = x if isinstance(x, tf.data.Dataset) else None
+            if cursor.kind == "dataset":
+                # A pass's draw is replayed on the dataset itself (cheap).
+                cursor.undistributed = session.dataset
             self._kd_session = session
             # keras_dist's own array input gives every worker the same
             # number of batches; split evenly, they need no per-step check

@@ -130,6 +130,7 @@ from keras_dist._keras_compat.trainer import (  # noqa: F401 (the one door)
 )
 from keras_dist._keras_compat.variables import (  # noqa: F401 (the one door)
     alias_registered_name,
+    host_counter,
     move_onto,
     move_variables,
     on_strategy,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 
 
 def _storage(variable):
@@ -19,6 +20,19 @@ def on_strategy(variable, strategy: tf.distribute.Strategy) -> bool:
     if value is None:
         return True  # created on first use, under whatever scope is open then
     return getattr(value, "_distribute_strategy", None) is strategy
+
+
+def host_counter() -> tf.Variable:
+    """An int64 variable on this process's CPU, outside any strategy.
+
+    Made under a strategy's scope too (the class itself, not `tf.Variable`,
+    whose creator scopes would make it a mirrored variable): a `tf.data`
+    function reads it on the host that runs the input pipeline.
+    """
+    with tf.init_scope(), tf.device("/cpu:0"):
+        return resource_variable_ops.ResourceVariable(
+            0, dtype=tf.int64, trainable=False, name="keras_dist_pass"
+        )
 
 
 def unique_variables(variables) -> list:
@@ -177,6 +191,7 @@ INTERNALS = {
         "_exclude_from_weight_decay_cache",
     ),
     "keras.Variable": ("_initialize", "_value"),
+    "tensorflow.python.ops.resource_variable_ops": ("ResourceVariable",),
     "keras.src.saving.object_registration": ("GLOBAL_CUSTOM_NAMES",),
 }
 """The private Keras/TF symbols this module uses, by owner (merged into

@@ -35,6 +35,8 @@ PREEMPTED_EXIT_CODE = _exit_codes.PREEMPTED
 """Exit status of a process that saved a backup on a preemption signal."""
 
 _FORMAT = store.FORMAT
+# How keras_dist's shuffled array input orders a pass (`_data.shuffled_indices`).
+_ORDER = "stateless-by-pass"
 # What the chief tells every worker instead of a backup number.
 _IN_USE = -1  # another live run holds the directory's lock
 _OTHER_RUN = -2  # the newest backup is another run's (other training data)
@@ -488,6 +490,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "position": self._position(),
             "data": {
                 "seed": getattr(self._cursor, "seed", None),
+                "order": _ORDER,
                 "fingerprint": self._session.data_fingerprint()
                 if self._session is not None and self._chief else None,
             },
@@ -646,6 +649,16 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "seen twice or not at all.",
             )
             return
+        if (self._cursor.passes is not None and plan.step > 0
+                and plan.state.get("data", {}).get("order") != _ORDER):
+            self._warn_once(
+                "order",
+                "BackupAndRestore: this backup was written by an earlier "
+                "keras_dist, which ordered shuffled arrays another way; epoch "
+                f"{plan.epoch + 1} resumes at step {plan.step} of a pass in "
+                "this version's order, so some samples of that epoch may be "
+                "seen twice or not at all.",
+            )
         if not self._cursor.advance_to(target):
             self._warn_once(
                 "cursor",

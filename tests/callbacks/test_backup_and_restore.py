@@ -188,23 +188,93 @@ def test_numpy_shuffle_differs_between_epochs():
     assert all(sorted(o) == list(range(16)) for o in orders)
 
 
-def test_a_resumed_cursor_reaches_its_order_on_the_indices_alone():
-    """On resume, each pass already trained is replayed on the shuffled
-    indices (`DataCursor.reorder`), not on the distributed input: the next
-    distributed pass takes the order it takes after as many distributed
-    passes, and no distributed iterator is made to get there."""
+def counting_iterators():
+    """Counts the iterators made on any dataset, distributed or not."""
+    made = []
+    classes = [tf.data.Dataset, tf.distribute.DistributedDataset]
+    classes += [type(two_replicas().experimental_distribute_dataset(
+        tf.data.Dataset.range(2).batch(2)))]
+    patches = []
+    for cls in dict.fromkeys(classes):
+        original = cls.__iter__
+
+        def counted(self, original=original):
+            made.append(1)
+            return original(self)
+
+        patches.append(mock.patch.object(cls, "__iter__", counted))
+    return made, patches
+
+
+def distributed_order(strategy, distributed) -> list:
+    """The sample indices of a fresh pass's first batch, replica by replica."""
+    batch = next(iter(distributed))
+    indices = batch[0] if isinstance(batch, tuple) else batch
+    return [int(v) for part in strategy.experimental_local_results(indices)
+            for v in part.numpy()]
+
+
+def test_a_resumed_cursor_reaches_any_pass_of_shuffled_arrays_without_an_iterator():
+    """keras_dist's own shuffled arrays order a pass by the seed and the
+    pass's number: positioning at pass 1,000 makes no iterator at all, and
+    the distributed input then takes the order it takes after that many
+    passes (checked against real distributed passes for the first ones)."""
     from keras_dist import _data
 
     strategy = two_replicas()
 
-    def distributed_orders(advance_first):
+    def cursor_and_input():
         cursor = _data.DataCursor("arrays", persistent=False)
         dataset = _data.array_dataset(strategy, np.arange(16), None, None, 16, True,
                                       seed=5, cursor=cursor)
-        assert cursor.reorder is not None
+        return cursor, strategy.experimental_distribute_dataset(dataset)
+
+    cursor, distributed = cursor_and_input()
+    walked = []
+    for _ in range(6):  # as fit makes its passes
+        cursor.on_iterator_created()
+        walked.append(distributed_order(strategy, distributed))
+    assert all(sorted(order) == list(range(16)) for order in walked)
+    assert len({tuple(order) for order in walked}) == 6
+
+    made, patches = counting_iterators()
+    for target in (3, 1000):
+        cursor, distributed = cursor_and_input()
+        for patch in patches:
+            patch.start()
+        try:
+            assert cursor.advance_to(target)
+        finally:
+            for patch in patches:
+                patch.stop()
+        assert made == [] and cursor.created == target
+        cursor.on_iterator_created()  # the resumed pass
+        resumed = distributed_order(strategy, distributed)
+        if target == 3:
+            assert resumed == walked[3]
+        else:
+            assert sorted(resumed) == list(range(16)) and resumed not in walked
+    cursor, _ = cursor_and_input()
+    assert cursor.advance_to(7) and not cursor.advance_to(6)  # never backwards
+
+
+def test_a_resumed_cursor_replays_a_shuffled_dataset_on_the_dataset_itself():
+    """A user's seeded tf.data shuffle draws its pass's order when an
+    iterator is made: the passes already trained are replayed on the
+    undistributed dataset (one draw of the same seed generator each), and
+    no distributed iterator is made to get there."""
+    from keras_dist import _data
+
+    strategy = two_replicas()
+
+    def orders(advance):
+        dataset = tf.data.Dataset.range(16).shuffle(
+            16, seed=3, reshuffle_each_iteration=True).map(lambda v: v * 2).batch(16)
+        cursor = _data.DataCursor("dataset", persistent=False)
+        cursor.undistributed = dataset
         cursor.dataset = strategy.experimental_distribute_dataset(dataset)
-        if advance_first:
-            made = []
+        made, patches = counting_iterators()
+        if advance:
             original = type(cursor.dataset).__iter__
             with mock.patch.object(type(cursor.dataset), "__iter__",
                                    lambda self: made.append(1) or original(self)):
@@ -213,12 +283,11 @@ def test_a_resumed_cursor_reaches_its_order_on_the_indices_alone():
         else:
             for _ in range(4):
                 iter(cursor.dataset)
-        return [[int(v) for part in strategy.experimental_local_results(
-            next(iter(cursor.dataset))[0]) for v in part.numpy()] for _ in range(2)]
+        return [distributed_order(strategy, cursor.dataset) for _ in range(2)]
 
-    replayed = distributed_orders(advance_first=False)
-    assert distributed_orders(advance_first=True) == replayed
-    assert all(sorted(order) == list(range(16)) for order in replayed)
+    replayed = orders(advance=False)
+    assert orders(advance=True) == replayed
+    assert all(sorted(order) == list(range(0, 32, 2)) for order in replayed)
     assert replayed[0] != replayed[1]
 
 
