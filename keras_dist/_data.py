@@ -136,6 +136,10 @@ class DataCursor:
       distributed iterator (measured with 2 replicas).
     - Otherwise (a `DistributedDataset` given to fit) on `dataset`, the
       distributed input itself.
+
+    An input whose order does not depend on the pass (unshuffled arrays,
+    arrays in Keras' own order, a dataset without a seeded reshuffle:
+    `reorders` False) is positioned by the count alone.
     """
 
     def __init__(self, kind: str, persistent: bool):
@@ -146,6 +150,7 @@ class DataCursor:
         self.dataset = None
         self.undistributed = None
         self.passes = None
+        self.reorders = kind != "arrays"
 
     def pass_number(self) -> tf.Variable:
         """The variable the input pipeline reads its pass number from."""
@@ -164,9 +169,10 @@ class DataCursor:
         """Positions the input as after `created` iterators (False: past)."""
         if self.created > created:
             return False
-        if self.passes is not None:
+        if self.passes is not None or not self.reorders:
             self.created = created
-            self.passes.assign(created)
+            if self.passes is not None:
+                self.passes.assign(created)
             return True
         source = self.undistributed if self.undistributed is not None else self.dataset
         if source is None:

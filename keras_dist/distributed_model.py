@@ -443,9 +443,11 @@ class DistributedModel(keras.Model):
                     validation_data, validation_batch_size or batch_size or 32
                 )
             session.dataset = x if isinstance(x, tf.data.Dataset) else None
-            if cursor.kind == "dataset":
-                # A pass's draw is replayed on the dataset itself (cheap).
+            if cursor.kind == "dataset" and session.dataset is not None:
+                # A pass's draw is replayed on the dataset itself (cheap),
+                # when its order depends on the pass at all.
                 cursor.undistributed = session.dataset
+                cursor.reorders = _keras_compat.reorders_each_pass(session.dataset)
             self._kd_session = session
             # keras_dist's own array input gives every worker the same
             # number of batches; split evenly, they need no per-step check

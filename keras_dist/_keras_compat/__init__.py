@@ -95,6 +95,7 @@ from keras_dist._keras_compat.iterators import (  # noqa: F401 (the one door)
     keras_shuffle_order,
     lean_epoch_iterators,
     materialize,
+    reorders_each_pass,
     tensorflow_global_seed,
     wait_for_released_iterators,
     without_global_seed,

@@ -198,7 +198,7 @@ def _tensorflow_fed(adapter) -> bool:
         return True
     if not isinstance(adapter, keras_tf_dataset_adapter.TFDatasetAdapter):
         return False  # a PyDataset, a generator, a torch or grain loader
-    for dataset in _datasets_of(adapter):
+    for dataset in _datasets_of(adapter.get_tf_dataset()):
         for value in vars(dataset).values():
             # A transformation's function (map, flat_map, filter, ...).
             function = getattr(value, "function", None)
@@ -215,9 +215,9 @@ def _tensorflow_fed(adapter) -> bool:
     return True
 
 
-def _datasets_of(adapter):
-    """Every `tf.data.Dataset` in the pipeline an adapter hands Keras."""
-    seen, pending = set(), [adapter.get_tf_dataset()]
+def _datasets_of(dataset):
+    """Every `tf.data.Dataset` in a pipeline, `dataset` first."""
+    seen, pending = set(), [dataset]
     while pending:
         dataset = pending.pop()
         if id(dataset) in seen:
@@ -228,16 +228,21 @@ def _datasets_of(adapter):
 
 
 def _reorders_each_pass(adapter) -> bool:
-    """Whether an input's order depends on how many iterators were made.
+    """Whether the input a Keras data adapter holds reorders each pass."""
+    if not isinstance(adapter, keras_tf_dataset_adapter.TFDatasetAdapter):
+        return False
+    return reorders_each_pass(adapter.get_tf_dataset())
+
+
+def reorders_each_pass(pipeline: tf.data.Dataset) -> bool:
+    """Whether a dataset's order depends on how many iterators were made.
 
     A seeded `shuffle` that reshuffles each pass, a seeded
     `Dataset.random` or `sample_from_datasets` that rerandomizes each pass:
     each new iterator takes the next draw of the dataset's seed generator,
     created or not used. (Unseeded, every pass is random anyway.)
     """
-    if not isinstance(adapter, keras_tf_dataset_adapter.TFDatasetAdapter):
-        return False
-    for dataset in _datasets_of(adapter):
+    for dataset in _datasets_of(pipeline):
         if not (getattr(dataset, "_reshuffle_each_iteration", False)
                 or getattr(dataset, "_rerandomize", False)):
             continue

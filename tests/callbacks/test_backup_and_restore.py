@@ -258,6 +258,38 @@ def test_a_resumed_cursor_reaches_any_pass_of_shuffled_arrays_without_an_iterato
     assert cursor.advance_to(7) and not cursor.advance_to(6)  # never backwards
 
 
+def test_a_resumed_cursor_positions_an_input_in_one_order_by_its_count_alone():
+    """Arrays in Keras' own order (TensorFlow's global seed set) and a
+    dataset without a seeded reshuffle take every pass in one order: the
+    count is set, no pass replayed."""
+    from keras_dist import _data
+    from keras_dist import _keras_compat
+
+    strategy = two_replicas()
+    arrays = _data.DataCursor("arrays", persistent=False)
+    dataset = _data.array_dataset(strategy, np.arange(16), None, None, 16, True, seed=None,
+                                  order=np.arange(16)[::-1], cursor=arrays)
+    arrays.dataset = strategy.experimental_distribute_dataset(dataset)
+    pipeline = tf.data.Dataset.range(16).shuffle(16, seed=3, reshuffle_each_iteration=False)
+    fixed = _data.DataCursor("dataset", persistent=False)
+    fixed.undistributed = pipeline.batch(16)
+    fixed.dataset = strategy.experimental_distribute_dataset(fixed.undistributed)
+    fixed.reorders = _keras_compat.reorders_each_pass(fixed.undistributed)
+    assert not fixed.reorders
+    assert _keras_compat.reorders_each_pass(
+        tf.data.Dataset.range(16).shuffle(16, seed=3).batch(16))
+    made, patches = counting_iterators()
+    for patch in patches:
+        patch.start()
+    try:
+        assert arrays.advance_to(1000) and fixed.advance_to(1000)
+    finally:
+        for patch in patches:
+            patch.stop()
+    assert made == [] and arrays.created == fixed.created == 1000
+    assert distributed_order(strategy, arrays.dataset) == list(range(15, -1, -1))
+
+
 def test_a_resumed_cursor_replays_a_shuffled_dataset_on_the_dataset_itself():
     """A user's seeded tf.data shuffle draws its pass's order when an
     iterator is made: the passes already trained are replayed on the
