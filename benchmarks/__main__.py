@@ -33,6 +33,7 @@ SCENARIOS = {
     7: "tuner_walltime",
     8: "mixed_precision",
     9: "tf_keras_multi_worker",
+    10: "resize_latency",
 }
 # Scenarios whose jobs take `--gpu` (one GPU per process, NCCL, mixed_float16).
 GPU_SCENARIOS = {3, 9}
