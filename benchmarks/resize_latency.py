@@ -17,7 +17,9 @@ disturbed in turn:
 4. SIGKILL to worker 1; the kill to the next step, and the steps trained
    again (those after the last backup);
 5. by hand: SIGTERM to the launcher (every worker saves and exits), then the
-   same `keras-dist launch` again; the signal to the first step.
+   same `keras-dist launch` again; the signal to the first step;
+6. the same script as one plain process (no launcher, one worker) on the
+   job's backup: the command's start to its first step, beside 1.
 
 Each figure is split where the launcher's lines allow (its decision, the
 new group's start). Wall clock from `time.time()` in this process and in
@@ -138,6 +140,27 @@ def _resized(job, after: float) -> bool:
     return any(when > after and RESIZE.search(line) for when, line in list(job.lines))
 
 
+def _one_process(out, backup, epochs) -> float:
+    """The worker script run as one plain process on the job's backup: its
+    command's start to its first step (then it is stopped)."""
+    started = time.time()
+    proc = subprocess.Popen([sys.executable, WORKER, out, backup, "--epochs", str(epochs)],
+                            env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=_common.ROOT)
+    path = os.path.join(out, "steps.txt")
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if os.path.exists(path) and os.path.getsize(path):
+                with open(path) as f:
+                    return float(f.readline().split()[0]) - started
+            time.sleep(0.02)
+        raise RuntimeError(f"the single process made no step (exit {proc.poll()})")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def one_round(start_epoch: int, quick: bool) -> dict:
     figures = {}
     with tempfile.TemporaryDirectory() as scratch:
@@ -208,6 +231,8 @@ def one_round(start_epoch: int, quick: bool) -> dict:
             figures["by hand: signal to first step of the restarted job"] = step[0] - moment
         finally:
             job.stop(timeout=60)
+        figures["one process, no launcher: command to first step"] = _one_process(
+            os.path.join(scratch, "alone"), backup, epochs)
     return figures
 
 
@@ -241,6 +266,10 @@ def run(args) -> dict:
         {"name": f"SIGKILL to next step, epoch {high} over epoch {low}",
          "value": median(high, "SIGKILL: signal to next step")
          / median(low, "SIGKILL: signal to next step"), "goal": "<= 1.2"},
+        {"name": "start-up, launch of 2 workers / one process: command to first step "
+                 f"(epoch {high})",
+         "value": median(high, "launch: command to first step")
+         / median(high, "one process, no launcher: command to first step")},
         {"name": f"preemption to next step over a stop and restart by hand (epoch {high})",
          "value": median(high, "preemption: signal to next step")
          / median(high, "by hand: signal to first step of the restarted job"),
