@@ -40,12 +40,17 @@ FOLDER_PREFIX = "keras_dist_heartbeat_"
 # TensorFlow's coordination service makes the peers fail about 10 s after a
 # worker stops; the launcher then names the stopped worker as the cause.
 UNRESPONSIVE_AFTER = 15.0
+# A file the launcher writes in its heartbeat folder when a worker failed:
+# the others then abort their collectives (`_peer_lost`); looked for
+# `_LOOKS_PER_BEAT` times per heartbeat.
+PEER_LOST = "peer-lost"
+_LOOKS_PER_BEAT = 10
 STOPPED_AFTER = 5.0
 
 _path = os.environ.get(ENV)
 _state = {
     "joining": False, "joined": False, "active": True, "steps": 0, "progress": time.time(),
-    "in_step": False,
+    "in_step": False, "peer_lost": False,
 }
 _MAIN = threading.main_thread().ident
 _thread: threading.Thread | None = None
@@ -75,6 +80,7 @@ def _beat() -> None:
     # Ends when the file cannot be written: the launcher removed its
     # directory, so nobody reads it any more.
     launcher = os.getppid()
+    lost = os.path.join(os.path.dirname(_path), PEER_LOST)
     while True:
         if os.getppid() != launcher:
             _orphaned(launcher)
@@ -82,7 +88,30 @@ def _beat() -> None:
             if os.getppid() != launcher:  # another orphan removed the folder
                 _orphaned(launcher)
             return
-        time.sleep(INTERVAL)
+        for _ in range(_LOOKS_PER_BEAT):
+            time.sleep(INTERVAL / _LOOKS_PER_BEAT)
+            if not _state["peer_lost"] and os.path.exists(lost):
+                _peer_lost(lost)
+
+
+def _peer_lost(marker: str) -> None:
+    """The launcher says a worker of this group failed: no collective can
+    complete any more. The ones this process waits in (a step, a backup's
+    agreement) are made to fail now, so it ends through its own error path
+    (its `finally` blocks, a backup write in flight finished) instead of
+    waiting to be killed at the end of the grace period."""
+    _state["peer_lost"] = True
+    if not _state["joined"]:
+        return  # no cluster yet: nothing waits in a collective
+    try:
+        with open(marker, encoding="utf-8") as f:
+            reason = f.read().strip()
+    except OSError:
+        reason = "a worker of this job stopped"
+    from keras_dist import _keras_compat
+
+    _keras_compat.abort_collectives(
+        f"{reason}; this worker's collectives were aborted by the launcher")
 
 
 def _orphaned(launcher: int) -> None:

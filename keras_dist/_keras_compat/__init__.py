@@ -111,6 +111,7 @@ from keras_dist._keras_compat.layers import (  # noqa: F401 (the one door)
     synchronize_batch_norm,
 )
 from keras_dist._keras_compat.runtime import (  # noqa: F401 (the one door)
+    abort_collectives,
     configure_collectives,
     eager_runtime_started,
     forget_collectives,

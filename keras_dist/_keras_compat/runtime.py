@@ -131,7 +131,19 @@ def forget_collectives() -> None:
         extended._enable_check_health = True
 
 
+def abort_collectives(message: str) -> None:
+    """Makes the collectives this process waits in fail now, and every later
+    one at once (`UnavailableError: <message>`): what TensorFlow's own
+    health check does when a peer is down (keras_dist turns that check
+    off: the launcher watches the workers)."""
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    context.context().abort_collective_ops(tf.errors.UNAVAILABLE, message)
+
+
 INTERNALS = {
+    "tensorflow.python.eager.context.Context": ("abort_collective_ops",),
     "tensorflow.python.eager.context.Context (source)": (
         "_context_handle",
         "_collective_ops_server_def",

@@ -389,6 +389,17 @@ class Group:
     def signal_all(self, signum: int) -> None:
         _signal(self.workers, signum)
 
+    def tell_peer_lost(self, reason: str) -> None:
+        """Tells the running workers that a worker failed: each aborts the
+        collectives it waits in (`_liveness.PEER_LOST`) and ends through
+        its own error path; a worker blocked in a collective outside a step
+        otherwise waits for its dead peer until the grace period ends."""
+        path = os.path.join(self.heartbeats, _liveness.PEER_LOST)
+        with contextlib.suppress(OSError):
+            with open(f"{path}.tmp", "w", encoding="utf-8") as f:
+                f.write(f"the job lost a worker ({reason})")
+            os.replace(f"{path}.tmp", path)
+
     def stop(self, signum: int = signal.SIGTERM) -> None:
         """Sends `signum`, waits the grace period, then kills what is left."""
         stop_workers(self.workers, self.grace_period, signum)
@@ -541,6 +552,8 @@ class Group:
         if cause:
             reason = f"{cause}; {reason} (its peer stopped answering)"
         say(f"{reason}; stopping the other workers")
+        if code != PREEMPTED_EXIT_CODE:
+            self.tell_peer_lost(reason)
         self.stop()
         tail = "".join(worker.tail)
         say(self.last_lines(worker))

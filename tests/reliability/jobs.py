@@ -10,6 +10,10 @@ Usage: jobs.py KIND OUT_DIR
   (its port, the network interfaces it sees) and waits for OUT_DIR/go.
 - train: trains many short epochs; each worker writes OUT_DIR/pid<rank> once
   its cluster formed (for a test to stop one).
+- abandoned: once its cluster formed, worker 0 waits in a keras_dist
+  agreement (a collective outside any step) that worker 1 never joins:
+  worker 1 is SIGKILLed after 2 s. Worker 0 prints whether its collective
+  failed because the launcher aborted it, and exits 3.
 """
 
 import json
@@ -43,6 +47,21 @@ if kind == "listen":
     deadline = time.monotonic() + 120
     while not os.path.exists(os.path.join(out_dir, "go")) and time.monotonic() < deadline:
         time.sleep(0.2)
+    sys.exit(0)
+if kind == "abandoned":
+    import signal
+
+    from keras_dist import _collectives
+
+    if rank == 1:
+        time.sleep(2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        _collectives.agree_any(strategy, [False])
+    except Exception as error:  # noqa: BLE001 (what it says is the outcome)
+        print(f"collective failed, aborted by the launcher: "
+              f"{'aborted by the launcher' in str(error)}", flush=True)
+        sys.exit(3)
     sys.exit(0)
 inputs = keras.Input((8,))
 model = keras_dist.distribute(keras.Model(inputs, keras.layers.Dense(1)(inputs)), strategy)

@@ -187,6 +187,19 @@ def test_a_worker_stalled_after_joining_is_named(tmp_path):
 
 
 @pytest.mark.multi_worker
+def test_a_worker_waiting_for_a_killed_peer_is_released_at_once(tmp_path):
+    """Worker 0 waits in a collective outside any step (a backup's
+    agreement) when worker 1 is SIGKILLed: the launcher tells it its peer
+    is gone, its collective fails, and it ends through its own error path
+    long before the grace period (which it waited out before)."""
+    code, out, seconds = launch(tmp_path, "abandoned", "--grace-period", "90")
+    assert code != 0, out
+    assert "worker 1 was killed by SIGKILL; stopping the other workers" in out, out
+    assert "collective failed, aborted by the launcher: True" in out, out
+    assert seconds < 60, out
+
+
+@pytest.mark.multi_worker
 def test_a_stopped_worker_is_named_within_seconds(tmp_path):
     """SIGSTOP (a stuck host, a partition) is named before TensorFlow gives up."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
