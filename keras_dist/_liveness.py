@@ -40,12 +40,12 @@ FOLDER_PREFIX = "keras_dist_heartbeat_"
 # TensorFlow's coordination service makes the peers fail about 10 s after a
 # worker stops; the launcher then names the stopped worker as the cause.
 UNRESPONSIVE_AFTER = 15.0
+STOPPED_AFTER = 5.0
 # A file the launcher writes in its heartbeat folder when a worker failed:
 # the others then abort their collectives (`_peer_lost`); looked for
 # `_LOOKS_PER_BEAT` times per heartbeat.
 PEER_LOST = "peer-lost"
 _LOOKS_PER_BEAT = 10
-STOPPED_AFTER = 5.0
 
 _path = os.environ.get(ENV)
 _state = {

@@ -7,6 +7,7 @@ import shutil
 import signal
 import threading
 import time
+import warnings
 from unittest import mock
 
 import keras
@@ -288,6 +289,42 @@ def test_a_resumed_cursor_positions_an_input_in_one_order_by_its_count_alone():
             patch.stop()
     assert made == [] and arrays.created == fixed.created == 1000
     assert distributed_order(strategy, arrays.dataset) == list(range(15, -1, -1))
+
+
+def test_a_mid_epoch_backup_from_the_earlier_order_warns_on_resume(tmp_path):
+    """A backup written before each pass was ordered by its number (no
+    `order` in its state) resumes mid-epoch with a warning that the
+    resumed epoch's samples may repeat; today's backups resume silently."""
+    backup_dir = str(tmp_path / "b")
+    backup = BackupAndRestore(backup_dir, save_freq=2)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make().fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+                   callbacks=[backup, Crash(11)])
+    backup.wait_until_finished()
+    newest = os.path.join(backup_dir, store.backup_name(committed(backup_dir)[0]))
+    state = store.verify(newest)
+    assert state["position"]["step"] > 0 and state["data"]["order"]
+
+    def resume():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make().fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0, callbacks=[
+                BackupAndRestore(str(tmp_path / "copy"), delete_checkpoint=False)])
+        return [str(w.message) for w in caught if "earlier keras_dist" in str(w.message)]
+
+    shutil.copytree(backup_dir, tmp_path / "copy")
+    assert resume() == []
+    shutil.rmtree(tmp_path / "copy")
+    shutil.copytree(backup_dir, tmp_path / "copy")
+    copied = os.path.join(tmp_path / "copy", os.path.basename(newest), "state.json")
+    with open(copied) as f:
+        old = json.load(f)
+    del old["data"]["order"]
+    with open(copied, "w") as f:
+        json.dump(old, f)
+    store.seal(os.path.dirname(copied))
+    [message] = resume()
+    assert f"resumes at step {state['position']['step']}" in message
 
 
 def test_a_resumed_cursor_replays_a_shuffled_dataset_on_the_dataset_itself():
