@@ -130,10 +130,9 @@ class Job:
         return time.time() - start
 
 
-def _settle(job, seconds=1.0):
+def _settle(first_step: float, seconds=1.0):
     """Lets the current group train `seconds` past its first step."""
-    first = job.first_step_after(0, set())
-    time.sleep(max(0.0, first[0] + seconds - time.time()))
+    time.sleep(max(0.0, first_step + seconds - time.time()))
 
 
 def _resized(job, after: float) -> bool:
@@ -180,7 +179,7 @@ def one_round(start_epoch: int, quick: bool) -> dict:
             if first[2] != start_epoch * STEPS:
                 raise RuntimeError(f"the job began at step {first[2]}, not at epoch "
                                    f"{start_epoch}'s first:\n" + job.output()[-3000:])
-            _settle(job)
+            _settle(first[0])
 
             # Preemption of worker 1.
             old = job.pids()
@@ -190,8 +189,9 @@ def one_round(start_epoch: int, quick: bool) -> dict:
             started = job.line_after(STARTING.search, decided)
             step = job.first_step_after(moment, old)
             figures["preemption: signal to next step"] = step[0] - moment
-            figures["  of which: signal to the launcher's decision"] = decided - moment
-            figures["  of which: new group's start to its first step"] = step[0] - started
+            figures["preemption, of which: signal to the launcher's decision"] = decided - moment
+            figures["preemption, of which: new group's start to its first step"] = (
+                step[0] - started)
 
             # The grow-back after --rejoin-after.
             old = job.pids()
@@ -199,7 +199,7 @@ def one_round(start_epoch: int, quick: bool) -> dict:
                                   and int(m.group(2)) > int(m.group(1)), step[0])
             step = job.first_step_after(grow, old)
             figures["grow: launcher's decision to first step of 2 workers"] = step[0] - grow
-            _settle(job)
+            _settle(step[0])
 
             # SIGKILL of worker 1.
             old = job.pids()
@@ -209,14 +209,13 @@ def one_round(start_epoch: int, quick: bool) -> dict:
             step = job.first_step_after(moment, old)
             last = max(s[2] for s in job.steps() if s[1] in old)
             figures["SIGKILL: signal to next step"] = step[0] - moment
-            figures["  of which: signal to the launcher's decision"] = decided - moment
+            figures["SIGKILL, of which: signal to the launcher's decision"] = decided - moment
             figures["SIGKILL: steps trained again"] = float(max(0, last - step[2] + 1))
             if not quick:
                 old = job.pids()
                 grow = job.line_after(lambda line: (m := RESIZE.search(line)) is not None
                                       and int(m.group(2)) > int(m.group(1)), step[0])
-                job.first_step_after(grow, old)
-                _settle(job)
+                _settle(job.first_step_after(grow, old)[0])
 
             # By hand: stop the job, start it again from its backup.
             old = job.pids()
