@@ -17,6 +17,13 @@ the same arrays:
    end of its first epoch to the end of its last batch (epoch boundaries
    included), timed by a callback.
 
+keras_dist also counts, over the long fit, the host round trips a step
+makes beyond Keras' own (one train-function call and its logs read back):
+collectives keras_dist issues outside the step (agreements between the
+workers), per step within the epochs and in the whole fit. With `--backup` it then trains the long
+fit again with keras_dist's `BackupAndRestore` (a save per epoch, SIGTERM
+handled: what a fault-tolerant job runs) and reports the same figures.
+
 Prints one `RESULT {json}` line (every worker; the harness reads the chief's).
 """
 
@@ -47,6 +54,8 @@ parser.add_argument("--communication", default=None,
                     help="keras_dist only: resolve_strategy communication= (ring, nccl, auto)")
 parser.add_argument("--mixed-precision", action="store_true")
 parser.add_argument("--gpu", action="store_true", help="use the GPU of this process's rank")
+parser.add_argument("--backup", action="store_true",
+                    help="keras_dist only: the long fit again, with BackupAndRestore")
 args = parser.parse_args()
 
 task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
@@ -143,17 +152,82 @@ for _ in range(args.fits):
     ended = time.perf_counter()
     startups.append((ended - began) - (clock.ends[-1] - clock.begins[0]))
 
-clock = Clock()
-history = model.fit(x, y, batch_size=args.batch, epochs=args.epochs, verbose=0,
-                    callbacks=[clock])
-timed_steps = args.steps * (args.epochs - 1)
-seconds = clock.ends[-1] - clock.epoch_ends[0]
-steps = sorted(e - b for b, e in zip(clock.begins, clock.ends))
+
+class Agreements(keras.callbacks.Callback):
+    """Counts the collectives keras_dist issues outside the step (each goes
+    through `_collectives.agree_sum`) between one batch's begin and the
+    next's within an epoch (what a step costs beyond Keras' own round trip:
+    one train-function call, its logs read back), and in the whole fit
+    (while the callback is entered as a context)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count, self.within, self.gaps = 0, 0, 0
+        self._mark = None
+
+    def __enter__(self):
+        from keras_dist import _collectives
+
+        self._collectives, self._agree = _collectives, _collectives.agree_sum
+
+        def agree_sum(*a, **k):
+            self.count += 1
+            return self._agree(*a, **k)
+
+        _collectives.agree_sum = agree_sum
+        return self
+
+    def __exit__(self, *exc):
+        self._collectives.agree_sum = self._agree
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._mark = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._mark is not None:
+            self.within += self.count - self._mark
+            self.gaps += 1
+        self._mark = self.count
+
+
+def long_fit(callbacks=()):
+    """The timed long fit: (samples/s, median step s, history, round trips)."""
+    clock = Clock()
+    import contextlib
+
+    counting = [Agreements()] if args.framework == "keras_dist" else []
+    with counting[0] if counting else contextlib.nullcontext():
+        history = model.fit(x, y, batch_size=args.batch, epochs=args.epochs, verbose=0,
+                            callbacks=[clock, *counting, *callbacks])
+    timed_steps = args.steps * (args.epochs - 1)
+    seconds = clock.ends[-1] - clock.epoch_ends[0]
+    steps = sorted(e - b for b, e in zip(clock.begins, clock.ends))
+    per_step = {
+        "agreements_per_step": counting[0].within / max(1, counting[0].gaps),
+        "agreements_per_fit": counting[0].count,
+    } if counting else {}
+    return timed_steps * args.batch / seconds, steps[len(steps) // 2], history, per_step
+
+
+rate, median_step, history, per_step = long_fit()
+extra = dict(per_step)
+if args.backup:
+    import tempfile
+
+    from keras_dist.callbacks import BackupAndRestore
+
+    # One folder for the job's workers (their launcher's pid), deleted by
+    # the callback when the fit ends.
+    folder = os.path.join(tempfile.gettempdir(), f"keras_dist_bench_backup_{os.getppid()}")
+    backup_rate, _, _, backup_per_step = long_fit([BackupAndRestore(folder)])
+    extra["backup_samples_per_second"] = backup_rate
+    extra.update({f"backup_{k}": v for k, v in backup_per_step.items()})
 print("RESULT " + json.dumps({
     "framework": args.framework, "workers": workers, "rank": rank,
     "strategy": type(strategy).__name__ if strategy is not None else "none",
     "startup_s": startups, "startup_median_s": statistics.median(startups),
-    "samples_per_second": timed_steps * args.batch / seconds,
-    "median_step_s": steps[len(steps) // 2],
+    "samples_per_second": rate,
+    "median_step_s": median_step,
     "loss": float(history.history["loss"][-1]),
+    **extra,
 }), flush=True)

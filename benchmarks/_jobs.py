@@ -72,10 +72,11 @@ def _chief(results: list[dict]) -> dict:
     return next(r for r in results if r["rank"] == 0)
 
 
-def keras_dist(n: int, plan: dict, gpu: bool = False) -> dict:
-    """An n-worker keras_dist job started by `keras-dist launch`."""
+def keras_dist(n: int, plan: dict, gpu: bool = False, backup: bool = False) -> dict:
+    """An n-worker keras_dist job started by `keras-dist launch` (`backup`:
+    its long fit again with BackupAndRestore, see `_fit_worker.py`)."""
     script = [WORKER, "--framework", "keras_dist", "--batch", str(plan["batch"]),
-              *_worker_args(n, plan, gpu)]
+              *_worker_args(n, plan, gpu), *(["--backup"] if backup else [])]
     if gpu:
         script += ["--communication", "nccl"]
     if n == 1:
@@ -180,9 +181,18 @@ def rows(results: dict) -> list[dict]:
     return table
 
 
-def paired(results: dict, a: str, b: str, key: str) -> float:
-    """Median over rounds of variant a's `key` / variant b's, measured back to back."""
-    return _common.paired_ratio([r[key] for r in results[a]], [r[key] for r in results[b]])
+def paired(results: dict, a: str, b: str, key: str, key_b: str | None = None) -> float:
+    """Median over rounds of variant a's `key` / variant b's (`key_b`, default
+    `key`), measured back to back."""
+    return _common.paired_ratio([r[key] for r in results[a]],
+                                [r[key_b or key] for r in results[b]])
+
+
+def median(results: dict, name: str, key: str) -> float:
+    """Median over rounds of variant `name`'s `key`."""
+    import statistics
+
+    return statistics.median(r[key] for r in results[name])
 
 
 PROTOCOL = (

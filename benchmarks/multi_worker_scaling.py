@@ -5,7 +5,10 @@ Three jobs, alternated: 1 worker, 2 workers through `keras-dist launch`
 single-worker processes at once, each with half the global batch and no
 communication. Each job reports per-step throughput (one long `fit`, timed
 by a callback) and per-`fit` start-up (short `fit` calls, their time
-outside the steps); see `_jobs.py` and `_fit_worker.py`.
+outside the steps); see `_jobs.py` and `_fit_worker.py`. The 2-worker job
+also counts the host round trips its steps make beyond Keras' own
+(keras_dist's collectives outside the step) and trains its long fit a
+second time with `BackupAndRestore`.
 """
 
 import functools
@@ -18,7 +21,7 @@ ONE, TWO, CEILING = "1 worker", "2 workers (keras-dist launch)", "ceiling: 2 ind
 def run(args) -> dict:
     plan, results = _jobs.measure(args, {
         ONE: functools.partial(_jobs.keras_dist, 1),
-        TWO: functools.partial(_jobs.keras_dist, 2),
+        TWO: functools.partial(_jobs.keras_dist, 2, backup=True),
         CEILING: functools.partial(_jobs.ceiling, 2),
     })
     return {
@@ -35,6 +38,16 @@ def run(args) -> dict:
              "goal": "2.0 (ideal)"},
             {"name": "per-fit start-up, 2 workers / 1 worker",
              "value": _jobs.paired(results, TWO, ONE, "startup_median_s")},
+            {"name": "samples/s, 2 workers with BackupAndRestore / without (same job)",
+             "value": _jobs.paired(results, TWO, TWO, "backup_samples_per_second",
+                                   "samples_per_second"),
+             "goal": ">= 0.97"},
+            {"name": "host round trips per step beyond Keras' own, 2 workers with "
+                     "BackupAndRestore: keras_dist collectives outside the step",
+             "value": _jobs.median(results, TWO, "backup_agreements_per_step"),
+             "goal": "0"},
+            {"name": "the same, per fit (choosing the backup, each epoch's save, the end)",
+             "value": _jobs.median(results, TWO, "backup_agreements_per_fit")},
         ],
         "notes": "The ceiling is what 2 workers could reach on this machine with free "
                  "communication: both processes share one host's memory bandwidth and "

@@ -114,6 +114,11 @@ def _peer_lost(marker: str) -> None:
         f"{reason}; this worker's collectives were aborted by the launcher")
 
 
+def peer_lost() -> bool:
+    """Whether the launcher said a worker of this group failed."""
+    return _state["peer_lost"]
+
+
 def _orphaned(launcher: int) -> None:
     """The launcher is gone (SIGKILL, the OOM killer, a lost login shell):
     nobody supervises this worker any more, and a re-run of the job would

@@ -38,7 +38,11 @@ def test_quick_run_produces_every_scenario(tmp_path):
             assert row["min"] <= row["median"] <= row["max"]
         for ratio in scenario["ratios"]:
             assert math.isfinite(ratio["value"]), ratio
-            if not ratio["name"].startswith("whole fit's cost per save"):
+            if ratio["name"].startswith("host round trips per step beyond"):
+                # No collective of keras_dist's runs between two steps of
+                # an epoch, BackupAndRestore's preemption handling included.
+                assert ratio["value"] == 0, ratio
+            elif not ratio["name"].startswith("whole fit's cost per save"):
                 # A difference of wall times: a quick run's few saves can
                 # measure one below the noise (seen: negative).
                 assert ratio["value"] > 0, ratio

@@ -195,7 +195,7 @@ def test_sigterm_is_forwarded_to_the_workers(tmp_path):
         ["job.py", f"got0-{int(signal.SIGTERM)}", f"got1-{int(signal.SIGTERM)}"]
     )
     err = proc.stderr.read()
-    assert "received SIGTERM: asking the workers to save a backup at their next step" in err
+    assert "received SIGTERM: asking the workers to save a backup within two steps" in err
     # The workers ended on the signal without a keras_dist backup: said last.
     assert err.rstrip().splitlines()[-1] == (
         "[keras-dist] interrupted: the workers exited with code 0"), err

@@ -111,11 +111,15 @@ from keras_dist._keras_compat.layers import (  # noqa: F401 (the one door)
     synchronize_batch_norm,
 )
 from keras_dist._keras_compat.runtime import (  # noqa: F401 (the one door)
+    KeyExists,
     abort_collectives,
     configure_collectives,
     eager_runtime_started,
     forget_collectives,
     join_cluster_at_startup,
+    key_store_available,
+    set_key,
+    wait_for_key,
 )
 from keras_dist._keras_compat.trainer import (  # noqa: F401 (the one door)
     Functional,

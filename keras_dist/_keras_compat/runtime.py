@@ -142,8 +142,49 @@ def abort_collectives(message: str) -> None:
     context.context().abort_collective_ops(tf.errors.UNAVAILABLE, message)
 
 
+class KeyExists(Exception):
+    """`set_key`: the key already holds a value (the store never overwrites)."""
+
+
+def key_store_available() -> bool:
+    """Whether this process has TensorFlow's coordination service (a
+    multi-worker job's key-value store, served by its leader task)."""
+    from tensorflow.python.eager import context
+
+    return context.context().coordination_service is not None
+
+
+def set_key(key: str, value: str) -> None:
+    """Stores `value` under `key` in the job's coordination service
+    (about 1-2 ms on loopback); raises `KeyExists` if the key has a value."""
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    try:
+        context.context().set_config_key_value(key, value)
+    except tf.errors.AlreadyExistsError:
+        raise KeyExists(key) from None
+
+
+def wait_for_key(key: str, timeout_s: float) -> str | None:
+    """The value stored under `key`, waiting up to `timeout_s` for one
+    (None then). Blocks in TensorFlow's runtime, not holding the GIL."""
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    try:
+        return context.context().get_config_key_value(key, max(1, int(timeout_s * 1000)))
+    except tf.errors.DeadlineExceededError:
+        return None
+
+
 INTERNALS = {
-    "tensorflow.python.eager.context.Context": ("abort_collective_ops",),
+    "tensorflow.python.eager.context.Context": (
+        "abort_collective_ops",
+        "coordination_service",
+        "get_config_key_value",
+        "set_config_key_value",
+    ),
     "tensorflow.python.eager.context.Context (source)": (
         "_context_handle",
         "_collective_ops_server_def",

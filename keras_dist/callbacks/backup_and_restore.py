@@ -26,7 +26,7 @@ from keras_dist import (
     _liveness,
     _resume,
 )
-from keras_dist.callbacks import _background_write, _preemption
+from keras_dist.callbacks import _background_write, _preemption, _save_requests
 from keras_dist.callbacks import _callback_states as callback_states
 from keras_dist.callbacks._sibling_hooks import SiblingHooks
 from keras_dist.strategy import worker_info
@@ -70,8 +70,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     write resumes from the backup before it. `wait_until_finished()` waits
     for the write in flight.
 
-    On a preemption signal (SIGTERM by default) the workers agree on the next
-    step boundary, save there and exit with status `PREEMPTED_EXIT_CODE`
+    On a preemption signal (SIGTERM by default) every worker saves at the
+    same step boundary (under multi-worker training the one after the
+    signal's: the workers agree through the job's key-value store, not
+    with a collective per step) and exits with status `PREEMPTED_EXIT_CODE`
     (42), for `keras-dist launch --max-restarts` or a scheduler's requeue to
     resume. A second signal of the same kind is handled as if the callback
     were absent.
@@ -89,11 +91,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             training ends normally (the chief deletes them).
         max_to_keep: Positive integer, default 2: how many committed backups
             to keep. A backup is deleted only after a newer one is committed.
-        save_every_seconds: Optional positive number: also back up at the
-            first step boundary after this many seconds since the last
-            backup (agreed across workers).
+        save_every_seconds: Optional positive number: also back up once
+            this many seconds passed since the last backup (the chief's
+            clock; every worker saves at the same step).
         preemption_signals: A signal, or a sequence of signals, that
-            triggers a save-and-exit at the next step boundary, default
+            triggers a save-and-exit at a step boundary, default
             `(signal.SIGTERM,)`. `None` or `()` disables it. Handlers are installed from the main thread only.
         adopt_other_runs: Boolean, default False. A backup records what
             its run trained on (the arrays' shapes and a digest of their
@@ -207,6 +209,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._skipped_last_call = False
         self._warned = set()
         self._pending = None  # a save due at this batch: (preempted,)
+        self._requests = None  # save requests agreed through the job's store
+        self._calls = 0  # batch-end calls handled in this fit
+        self._asked = set()  # what this worker requested since its last save
 
     def _undo(self) -> None:
         """Undoes what this callback set up for a fit (hooks, handlers, the
@@ -214,6 +219,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._siblings.remove()
         self._signals.restore()
         self._skipping.remove()
+        if self._requests is not None:
+            self._requests.close(end_watchers=False)
 
     # -- selection and restore ---------------------------------------------
 
@@ -503,6 +510,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._sequence = sequence
         self._since_save = 0
         self._last_save_time = time.monotonic()
+        self._asked.discard("timed")
         if not self._chief:
             return  # only the chief's files persist
         self._writes.start(lambda: self._write(sequence, snapshot, arrays, state))
@@ -586,9 +594,23 @@ class BackupAndRestore(keras.callbacks.Callback):
             plan = getattr(context, "resume", None)
             self._restore(plan or self._plan(chosen, state, self.model))
         self._signals.install(self.preemption_signals, self._warn_once)
+        self._requests = self._start_requests()
         # Begin hooks need hiding only in a resumed run that skips batches.
         self._siblings.install(self, self._callbacks(), self._finish_batch,
                                hide_begin=bool(self._skip_calls))
+
+    def _start_requests(self):
+        """Under multi-worker training, preemption signals and timed saves
+        are agreed through the job's key-value store, not by a collective
+        after every batch (see `_save_requests`)."""
+        if not (
+            self._multi_worker
+            and (self.preemption_signals or self.save_every_seconds)
+            and _save_requests.available()
+        ):
+            return None
+        info = worker_info(self._strategy)
+        return _save_requests.SaveRequests(info.rank, info.num_workers, info.is_chief)
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._pending_epoch_save:
@@ -690,6 +712,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._skipped_last_call = False
             return
         done = batch - self._begin + 1
+        self._calls += 1
         self._cursor.consumed += done
         self._since_save += done
         due, preempted = self._save_due()
@@ -707,6 +730,19 @@ class BackupAndRestore(keras.callbacks.Callback):
             and time.monotonic() - self._last_save_time >= self.save_every_seconds
         )
         preempted = self._signals.received.is_set()
+        if self._requests is not None:
+            # A request is posted once; the save comes at the batch every
+            # worker agreed on, where the reasons are agreed too.
+            ask = tuple(
+                reason
+                for reason, wanted in (("timed", timed and self._chief), ("preempted", preempted))
+                if wanted and reason not in self._asked
+            )
+            self._asked.update(ask)
+            if not self._requests.at_batch_end(self._calls, ask):
+                return by_steps, False
+            preempted = _collectives.agree_any(self._strategy, [preempted])[0]
+            return True, preempted
         if self._multi_worker and (self.save_every_seconds or self._signals.installed):
             timed, preempted = _collectives.agree_any(
                 self._strategy, [timed, preempted]
@@ -720,18 +756,22 @@ class BackupAndRestore(keras.callbacks.Callback):
         (preempted,), self._pending = self._pending, None
         self._save(wait=preempted)
         if preempted:
-            self._signals.restore()
-            self._skipping.remove()
-            self._selected = None
-            _liveness.note_saved(self.backup_dir, self._epoch + 1, self._step)
-            if self._chief:
-                print(
-                    "BackupAndRestore: preemption signal received; backup "
-                    f"saved at epoch {self._epoch + 1}, step {self._step}. "
-                    f"Exiting with status {PREEMPTED_EXIT_CODE}.",
-                    flush=True,
-                )
-            raise SystemExit(PREEMPTED_EXIT_CODE)
+            self._exit_preempted(f"at epoch {self._epoch + 1}, step {self._step}")
+
+    def _exit_preempted(self, where: str):
+        self._signals.restore()
+        self._skipping.remove()
+        if self._requests is not None:
+            self._requests.close(end_watchers=True)
+        self._selected = None
+        _liveness.note_saved(self.backup_dir, self._epoch + 1, self._step)
+        if self._chief:
+            print(
+                f"BackupAndRestore: preemption signal received; backup saved {where}. "
+                f"Exiting with status {PREEMPTED_EXIT_CODE}.",
+                flush=True,
+            )
+        raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def on_epoch_end(self, epoch, logs=None):
         self._siblings.hide_until = 0
@@ -750,7 +790,19 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._undo()
+        # A signal that came after the last batch's check (or whose agreed
+        # batch lies past the end of training) is acted on here.
+        preempted = self._signals.received.is_set()
+        if self._multi_worker and (self.preemption_signals or self.save_every_seconds):
+            preempted = _collectives.agree_any(self._strategy, [preempted])[0]
+        if self._requests is not None:
+            self._requests.close(end_watchers=True)
         self._writes.wait()
+        if preempted:
+            self._epoch, self._step = self._epoch + 1, 0
+            self._cursor.consumed = 0
+            self._save(final=True, wait=True)
+            self._exit_preempted(f"at the end of training (epoch {self._epoch})")
         if self.delete_checkpoint:
             if self._chief:
                 store.delete_all(self.backup_dir)

@@ -35,7 +35,7 @@ generation when:
   saves, the leader waits for its exit);
 - a live host is not a member and the generation is `rejoin_after` old:
   every live host (the workers save and exit 42, the job grows).
-Members stop their worker (SIGTERM: it saves at its next step) when a newer
+Members stop their worker (SIGTERM: it saves within two steps) when a newer
 generation appears, then start their part of it. With fewer than K live
 hosts the job fails (`failed` file); when a worker finishes its training
 the job is done (`done` file) and every launcher exits 0.
@@ -173,7 +173,7 @@ class Rendezvous(abc.ABC):
     def propose(self, number: int, members: list[int], reason: str, restarts: int,
                 save_first: bool = False) -> bool:
         """`save_first`: the running workers are healthy; they get time to
-        save at their next step (a grow) instead of a grace period."""
+        save within two steps (a grow) instead of a grace period."""
         made = self._write_once(f"generation-{number}.json", {
             "members": members, "reason": reason, "restarts": restarts,
             "save_first": save_first, "time": time.time(),

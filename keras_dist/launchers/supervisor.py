@@ -509,8 +509,8 @@ class Group:
         signum = interrupt[0]
         name = signal_name(signum)
         limit = max(self.grace_period, RESIZE_SAVE_SECONDS)
-        say(f"received {name}: asking the workers to save a backup at their next "
-            f"step and exit (up to {limit:g}s; {name} again stops them at once)")
+        say(f"received {name}: asking the workers to save a backup within two "
+            f"steps and exit (up to {limit:g}s; {name} again stops them at once)")
         self.signal_all(signal.SIGTERM)
         deadline = time.monotonic() + limit
         at_once = False

@@ -11,7 +11,9 @@ seconds=S (save_every_seconds),
 killsave=K:STAGE (SIGKILL this process inside its K-th backup save: STAGE
 `files` = every file written, no manifest; `rename` = sealed, not renamed
 into place; `pointer` = renamed, `latest` not yet updated).
-Writes OUT_DIR/rank{R}.npz (final weights) when training ends, and appends
+Appends `save K` / `agree K` to OUT_DIR/events-rank{R}.txt for each backup
+save and each collective keras_dist issues outside the steps (an
+agreement), K the steps trained by then. Writes OUT_DIR/rank{R}.npz (final weights) when training ends, and appends
 one line per trained step to OUT_DIR/ids-rank{R}.txt:
 `epoch step id id ...` (the sample ids the step trained on, all replicas),
 after a `start` line per process.
@@ -70,6 +72,24 @@ if "killsave" in opts:
     _backup_store.os.replace = _replacing
 rank = worker_info(strategy).rank
 os.makedirs(out_dir, exist_ok=True)
+
+# Every collective keras_dist issues outside the training step, counted.
+from keras_dist import _collectives  # noqa: E402
+
+_agree_sum = _collectives.agree_sum
+
+
+def _event(kind):
+    with open(os.path.join(out_dir, f"events-rank{rank}.txt"), "a") as f:
+        f.write(f"{kind} {calls}\n")
+
+
+def _counted_agree_sum(*args, **kwargs):
+    _event("agree")
+    return _agree_sum(*args, **kwargs)
+
+
+_collectives.agree_sum = _counted_agree_sum
 N = 48
 BATCH = int(opts.get("batch", 8))  # the global batch
 
@@ -149,6 +169,15 @@ backup = BackupAndRestore(
     save_freq="epoch" if freq == "epoch" else int(freq),
     save_every_seconds=float(opts["seconds"]) if "seconds" in opts else None,
 )
+_save = backup._save
+
+
+def _counted_save(*args, **kwargs):
+    _event("save")
+    return _save(*args, **kwargs)
+
+
+backup._save = _counted_save
 fit_args = dict(epochs=int(opts.get("epochs", 3)), verbose=0,
                 callbacks=[Tally(), backup])
 if opts.get("input", "numpy") == "numpy":

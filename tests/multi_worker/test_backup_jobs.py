@@ -113,14 +113,19 @@ def test_two_workers_sigkill_and_sigterm_then_resume(tmp_path):
         SCRIPT, [str(tmp_path / "job"), str(tmp_path / "backup"), "freq=2",
                  "kill=9", "victim=1"], temp_dirs=temp, check=False)
     assert codes[1] == -9, out1
+    # SIGTERM at the resumed run's last step (10 of the 18 trained from
+    # epoch 2, step 2): past every batch's agreement, the end of training
+    # saves and exits 42, and the rerun trains nothing more.
     codes, out2 = run_workers(
         SCRIPT, [str(tmp_path / "job"), str(tmp_path / "backup"), "freq=2",
-                 "term=5", "victim=0"], temp_dirs=temp, check=False)
+                 "term=10", "victim=0"], temp_dirs=temp, check=False)
     assert codes == [PREEMPTED_EXIT_CODE] * 2, out2
     assert "restored" in out2[0] and "(epoch 2, step 2)" in out2[0]
+    assert "backup saved at the end of training (epoch 3)" in out2[0], out2[0]
     out3 = run_workers(
         SCRIPT, [str(tmp_path / "job"), str(tmp_path / "backup"), "freq=2"],
         temp_dirs=temp)
+    assert "restored" in out3[0] and "(epoch 4, step 0)" in out3[0], out3[0]
     for rank in (0, 1):
         assert max_diff(reference, weights(tmp_path / "job" / f"rank{rank}.npz")) < 1e-6
     # Only the chief's files persisted; the other worker's scratch is empty.
@@ -159,3 +164,32 @@ def test_resumes_on_another_number_of_workers(tmp_path, source):
     assert len(runs) == 3
     assert len(kept) == EPOCHS * 4  # 48 samples, global batch 12
     check_each_sample_once(kept, EPOCHS)
+
+
+def test_timed_saves_are_agreed_without_a_collective_per_step(tmp_path):
+    """2 workers save every 0.1 s of paced steps (the chief's clock); worker
+    1 is killed mid-epoch 3: the saves were agreed without a collective per
+    step, and the resume from the newest one ends at the uninterrupted
+    weights, each sample once per epoch."""
+    opts = ["freq=epoch", "seconds=0.1", "sleep=0.05"]
+    reference = uninterrupted(tmp_path, "input=numpy", "freq=2")
+    job, backup = str(tmp_path / "job"), str(tmp_path / "backup")
+    codes, out1 = run_workers(SCRIPT, [job, backup, *opts, "kill=14", "victim=1"],
+                              check=False)
+    assert codes[1] == -9, out1
+    with open(tmp_path / "job" / "events-rank0.txt") as f:
+        events = [(kind, int(k)) for kind, k in map(str.split, f)]
+    saves = [k for kind, k in events if kind == "save"]
+    agreed = [k for kind, k in events if kind == "agree"]
+    assert len([k for k in saves if k % STEPS_PER_EPOCH]) >= 2, events  # the clock's
+    # Choosing the backup (4), one per epoch begun (did a later callback
+    # change?), one per timed save: none per step.
+    assert len(agreed) <= 4 + EPOCHS + len(saves) and len(agreed) < max(agreed), events
+    out2 = run_workers(SCRIPT, [job, backup, *opts])
+    assert "restored" in out2[0], out2[0]
+    for rank in (0, 1):
+        assert max_diff(reference, weights(tmp_path / "job" / f"rank{rank}.npz")) < 1e-6
+    kept, runs = surviving_steps(tmp_path / "job" / "ids-rank0.txt", [out1[0], out2[0]])
+    assert len(runs) == 2
+    check_each_sample_once(kept, EPOCHS)
+    assert not os.path.exists(backup)

@@ -4,7 +4,7 @@
   resumed job ends at the uninterrupted run's weights with every sample
   trained exactly once per epoch.
 - SIGKILL inside a backup save, at each stage of writing it: the same.
-- Ctrl-C on the launcher: the workers save at their next step and exit, the
+- Ctrl-C on the launcher: the workers save within two steps and exit, the
   console ends with where to resume, and the rerun is the uninterrupted
   run; Ctrl-C twice stops everything at once.
 """
@@ -55,17 +55,19 @@ def test_preempting_either_rank_saves_once_and_resumes_exactly(tmp_path):
     job, backup = tmp_path / "job", tmp_path / "backup"
     code, out = run_single(tmp_path / "ref", tmp_path / "ref-backup", "freq=2")
     assert code == 0, out
-    # SIGTERM to worker 1 (not the chief): the vote counts it, both save once.
+    # SIGTERM to worker 1 (not the chief) after its 5th step: its request
+    # reaches the chief, and both save once, after the step that follows
+    # the request (6: the first one neither worker had begun when it asked).
     codes, out1 = run_workers(
         SCRIPT, [str(job), str(backup), "freq=2", "term=5", "victim=1"], check=False)
     assert codes == [PREEMPTED_EXIT_CODE] * 2, out1
-    assert out1[0].count("preemption signal received; backup saved at epoch 1, step 5") == 1
+    assert out1[0].count("preemption signal received; backup saved at epoch 1, step 6") == 1
     assert "preemption signal received" not in out1[1]  # the chief reports it
     # Under the launcher, SIGTERM to worker 0: the launcher exits 42 and says why.
     code, out2 = launch(job, backup, "freq=2", "term=5", "victim=0")
     assert code == PREEMPTED_EXIT_CODE, out2
     assert "exited with code 42 (preempted: it saved a backup)" in out2
-    assert "restored" in out2 and "(epoch 1, step 5)" in out2
+    assert "restored" in out2 and "(epoch 1, step 6)" in out2
     assert rank0(out2).count("preemption signal received") == 1
     # The resumed job finishes at the uninterrupted run's weights.
     code, out3 = launch(job, backup, "freq=2")
@@ -152,8 +154,8 @@ def test_ctrl_c_saves_and_the_rerun_resumes_exactly(tmp_path):
     assert proc.returncode == 128 + signal.SIGINT, out1
     launcher = [line for line in out1.splitlines() if line.startswith("[keras-dist] ")]
     assert launcher[-2].startswith(
-        "[keras-dist] received Ctrl-C: asking the workers to save a backup at their next "
-        "step and exit (up to 60s; Ctrl-C again stops them at once)"), out1
+        "[keras-dist] received Ctrl-C: asking the workers to save a backup within two "
+        "steps and exit (up to 60s; Ctrl-C again stops them at once)"), out1
     assert launcher[-1].startswith(
         f"[keras-dist] interrupted: the workers saved a backup in {backup} at epoch 1, "
         "step "), out1
