@@ -36,7 +36,7 @@ FAST_MODULES = {
     "test_api.py", "test_architecture.py", "test_keras_compat.py", "test_docs.py",
     "test_elastic_policy.py", "test_rendezvous.py", "test_cluster.py", "test_launcher.py",
     "test_strategy.py", "test_collectives.py", "test_kt_compat.py", "test_elastic_agent.py",
-    "test_gpus.py", "test_kubernetes.py", "test_data_fingerprint.py",
+    "test_gpus.py", "test_kubernetes.py", "test_data_fingerprint.py", "test_save_requests.py",
 }
 
 

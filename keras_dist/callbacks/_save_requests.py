@@ -54,8 +54,9 @@ class SaveRequests:
     the watcher.
     """
 
-    def __init__(self, rank: int, num_workers: int, chief: bool):
-        self._prefix = f"keras_dist/backup-requests/{next(_FITS)}"
+    def __init__(self, rank: int, num_workers: int, chief: bool, namespace: str | None = None):
+        # `namespace`: the keys' prefix (default: this process's next fit's).
+        self._prefix = f"keras_dist/backup-requests/{namespace or next(_FITS)}"
         self._rank, self._num_workers, self._chief = rank, num_workers, chief
         self._cond = threading.Condition()
         self._completed = 0  # batches the training thread finished
