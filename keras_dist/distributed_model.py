@@ -434,10 +434,9 @@ class DistributedModel(keras.Model):
             if dataset is not None:
                 # Shuffled already, with a seed every worker agreed on.
                 batch_size, shuffle = None, False
-            if session.resume is not None:
-                # The backup's epoch; its batches already trained are skipped
-                # by the train function (see BackupAndRestore).
-                initial_epoch = session.resume.epoch
+            # A backup's epoch is set by BackupAndRestore's on_train_begin
+            # (Keras' loop reads it then), after it read the backup's data:
+            # a damaged one gives way to the previous, of another epoch.
             if validation_data is not None:
                 validation_data = self._kd_eval_dataset(
                     validation_data, validation_batch_size or batch_size or 32

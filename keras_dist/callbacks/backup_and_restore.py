@@ -209,6 +209,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._skipped_last_call = False
         self._warned = set()
         self._pending = None  # a save due at this batch: (preempted,)
+        self._damaged = set()  # backups whose data failed as they were read
         self._requests = None  # save requests agreed through the job's store
         self._calls = 0  # batch-end calls handled in this fit
         self._asked = set()  # what this worker requested since its last save
@@ -302,7 +303,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if chosen and state is None:  # the chief verified its choice above
             directory = os.path.join(self.backup_dir, store.backup_name(chosen))
             try:
-                state = store.verify(directory)
+                state = store.verify(directory, data_read_checked=True)
             except store.CorruptBackupError as error:
                 raise ValueError(
                     f"BackupAndRestore: worker {info.rank} cannot read the "
@@ -319,9 +320,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         """The chief's choice: the newest backup that verifies."""
         store.remove_stale_tmp(self.backup_dir)
         for sequence in store.list_backups(self.backup_dir):
+            if sequence in self._damaged:
+                continue
             directory = os.path.join(self.backup_dir, store.backup_name(sequence))
             try:
-                return sequence, store.verify(directory)
+                # The data shard is checked as the restore reads it.
+                return sequence, store.verify(directory, data_read_checked=True)
             except store.CorruptBackupError as error:
                 warnings.warn(
                     f"BackupAndRestore: skipping damaged backup {directory}: "
@@ -391,17 +395,26 @@ class BackupAndRestore(keras.callbacks.Callback):
         checkpoint = tf.train.Checkpoint(
             model=groups["model"], optimizer=groups["optimizer"]
         )
-        checkpoint.read(os.path.join(directory, "variables")).expect_partial()
+        try:
+            store.read_checked_variables(directory, checkpoint)
+            damage = None
+        except store.CorruptBackupError as error:
+            damage = error
+        if self._multi_worker:
+            failed = _collectives.agree_any(self._strategy, [damage is not None])[0]
+        else:
+            failed = damage is not None
+        if failed:
+            self._fall_back(directory, damage)
+            return
         if hasattr(self.model, "__keras_dist_restore_backup_variables__"):
             self.model.__keras_dist_restore_backup_variables__()  # onto the mesh's shards
         changed = _resume.changed_arguments(state.get("fit", {}), self._fit_arguments())
         if changed:
             self._warn_once("changes", changed)
         self._pending_plan = plan
-        if self._context is None:
-            # A plain keras.Model's fit: Keras' loop reads the start epoch
-            # after on_train_begin (DistributedModel.fit passes it itself).
-            _keras_compat.set_initial_epoch(self.model, plan.epoch)
+        # Keras' loop reads the start epoch after on_train_begin.
+        _keras_compat.set_initial_epoch(self.model, plan.epoch)
         self._skip_calls, self._skip_extra = plan.skip_calls, plan.skip_extra
         mid_execution = plan.restarts_mid_execution()
         if mid_execution:
@@ -414,6 +427,37 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"step {plan.step})",
                 flush=True,
             )
+
+    def _fall_back(self, directory: str, damage) -> None:
+        """The chosen backup's data failed its checksums as it was read (on
+        this worker: `damage`, or on another): the previous intact one is
+        restored instead, as for any damaged backup."""
+        where = f"{damage.path}: {damage.reason}" if damage else "damaged on another worker"
+        warnings.warn(
+            f"BackupAndRestore: skipping damaged backup {directory}: {where}. "
+            "Trying the previous one.",
+            stacklevel=3,
+        )
+        self._damaged.add(self._selected[0])
+        state = self._select(self._strategy, fresh=True)
+        if state is None:
+            raise ValueError(
+                f"BackupAndRestore: the backup in {directory} is damaged and "
+                f"`backup_dir` ({self.backup_dir!r}) holds no intact one "
+                "before it; some variables may have been read from it. "
+                "Nothing was deleted: move the damaged backup out of "
+                "`backup_dir` to start this run from its beginning."
+            )
+        plan = self._plan(self._selected[0], state, self.model)
+        shuffled = getattr(getattr(self._context, "resume", None), "seed", None)
+        if shuffled is not None and plan.seed != shuffled:
+            self._warn_once(
+                "seed",
+                "BackupAndRestore: the previous backup was written by a run "
+                "that shuffled with another seed; the resumed epoch may see "
+                "a different order.",
+            )
+        self._restore(plan)
 
     def _steps_per_execution(self) -> int:
         return max(1, int(self.model.steps_per_execution or 1))

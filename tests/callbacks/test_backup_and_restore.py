@@ -452,10 +452,14 @@ def crashed_once(tmp_path_factory):
         ("state.json", resealed(bad_position)),
         ("state.json", resealed(no_variables)),
         ("variables.data-00000-of-00001", DELETED_RESEALED),
+        # Found as the restore reads the shard (TensorFlow's per-tensor
+        # CRC32C), before any variable changes; resealed, too.
+        ("variables.data-00000-of-00001", corrupt_flip),
+        ("variables.data-00000-of-00001", resealed(corrupt_flip)),
     ],
     ids=["truncated", "zero-byte", "bit-flip", "state", "manifest-entry", "unlisted",
          "index-resealed", "index-truncated-resealed", "state-position", "state-variables",
-         "data-shard-deleted-resealed"],
+         "data-shard-deleted-resealed", "data-bit-flip", "data-bit-flip-resealed"],
 )
 def test_damaged_latest_backup_falls_back_to_previous(tmp_path, crashed_once, target, damage):
     backup_dir = str(tmp_path / "b")
@@ -472,6 +476,58 @@ def test_damaged_latest_backup_falls_back_to_previous(tmp_path, crashed_once, ta
     assert any(bad in str(w.message) for w in record), [str(w.message) for w in record]
     # The previous backup resumes exactly too.
     assert max_abs_diff(reference_weights(), model.get_weights()) < 1e-6
+
+
+def test_a_damaged_data_shard_and_no_backup_before_it_stop_the_fit(tmp_path, crashed_once):
+    """The only backup's data fails its checksums as it is read: the fit
+    stops before any step, naming it, and nothing is deleted."""
+    backup_dir = str(tmp_path / "b")
+    shutil.copytree(crashed_once, backup_dir)
+    newest, previous = committed(backup_dir)
+    shutil.rmtree(os.path.join(backup_dir, store.backup_name(previous)))
+    damaged = os.path.join(backup_dir, store.backup_name(newest))
+    corrupt_flip(os.path.join(damaged, "variables.data-00000-of-00001"))
+    before = sorted(os.listdir(damaged))
+    model = make()
+    with pytest.warns(UserWarning, match="skipping damaged backup"), \
+            pytest.raises(ValueError, match="holds no intact one before it") as error:
+        model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+                  callbacks=[BackupAndRestore(backup_dir, save_freq=2)])
+    assert damaged in str(error.value) and "move the damaged backup out" in str(error.value)
+    assert model.optimizer.iterations.numpy() == 0  # not a step trained
+    assert committed(backup_dir) == [newest] and sorted(os.listdir(damaged)) == before
+
+
+def test_a_plain_keras_model_falls_back_from_a_damaged_data_shard(tmp_path):
+    """keras.Model.fit with keras_dist's callback: the shard read with its
+    checksums there too; the previous backup resumes."""
+    backup_dir = str(tmp_path / "b")
+
+    def plain():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                                  keras.layers.Dense(1)])
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        return model
+
+    x = np.random.RandomState(0).rand(32, 4).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    plain().fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False,
+                callbacks=[BackupAndRestore(backup_dir, delete_checkpoint=False,
+                                            max_to_keep=3)])
+    final, newest, previous = committed(backup_dir)  # epochs 2 (the end), 2, 1
+    shutil.rmtree(os.path.join(backup_dir, store.backup_name(final)))
+    corrupt_flip(os.path.join(backup_dir, store.backup_name(newest),
+                              "variables.data-00000-of-00001"))
+    reference = plain()
+    reference.fit(x, y, batch_size=8, epochs=3, verbose=0, shuffle=False)
+    model = plain()
+    model.build((None, 4))
+    with pytest.warns(UserWarning, match="skipping damaged backup .*variables.data"):
+        history = model.fit(x, y, batch_size=8, epochs=3, verbose=0, shuffle=False,
+                            callbacks=[BackupAndRestore(backup_dir)])
+    assert history.epoch == [1, 2]  # the epoch of the previous backup, resumed
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
 
 
 def test_unreadable_file_falls_back_to_previous(tmp_path, crashed_once, monkeypatch):
