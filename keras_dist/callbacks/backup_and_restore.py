@@ -57,7 +57,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     Backups are atomic (written under a temporary name, fsynced, renamed,
     then pointed to by `latest`) and verified: each records the size and
-    sha256 of its files, and a damaged backup is skipped, with a warning
+    sha256 of its files (the checkpoint's data is also checked against its
+    CRC32Cs as it is read), and a damaged backup is skipped, with a warning
     naming the bad file, in favour of the previous one. Under
     `MultiWorkerMirroredStrategy` every worker takes part in each save, only
     the chief's files persist, and all workers restore the same backup.
