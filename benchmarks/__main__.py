@@ -107,8 +107,10 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu", action="store_true",
                         help="scenarios 3 and 9 with one GPU per process (NCCL all-reduce, "
                              "mixed_float16) instead of CPU cores")
-    parser.add_argument("--out", default=os.path.join(_common.ROOT, "benchmarks", "results"),
-                        help="directory for results.md and results.json")
+    parser.add_argument("--out", default=None,
+                        help="directory for results.md and results.json (default: "
+                             "benchmarks/results, or benchmarks/results/quick with "
+                             "--quick, so a smoke run never replaces a measured one)")
     args = parser.parse_args(argv)
     chosen = list(SCENARIOS)
     if args.only:
@@ -127,6 +129,9 @@ def main(argv=None) -> int:
     if jobs > 1 and not args.quick:
         print(f"Note: --jobs {jobs} runs scenarios side by side; their timings disturb "
               "each other. Use it for smoke runs, not for the table.", flush=True)
+    if args.out is None:
+        args.out = os.path.join(_common.ROOT, "benchmarks", "results",
+                                *(["quick"] if args.quick else []))
     os.makedirs(args.out, exist_ok=True)
     info = machine()
 
