@@ -498,17 +498,22 @@ def test_a_damaged_data_shard_and_no_backup_before_it_stop_the_fit(tmp_path, cra
     assert committed(backup_dir) == [newest] and sorted(os.listdir(damaged)) == before
 
 
+def plain_model(seed, features, hidden, learning_rate):
+    """A plain keras.Sequential regression model, compiled (Adam, mse)."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((features,)), keras.layers.Dense(hidden),
+                              keras.layers.Dense(1)])
+    model.compile(keras.optimizers.Adam(learning_rate), "mse")
+    return model
+
+
 def test_a_plain_keras_model_falls_back_from_a_damaged_data_shard(tmp_path):
     """keras.Model.fit with keras_dist's callback: the shard read with its
     checksums there too; the previous backup resumes."""
     backup_dir = str(tmp_path / "b")
 
     def plain():
-        keras.utils.set_random_seed(3)
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
-                                  keras.layers.Dense(1)])
-        model.compile(keras.optimizers.Adam(0.01), "mse")
-        return model
+        return plain_model(seed=3, features=4, hidden=3, learning_rate=0.01)
 
     x = np.random.RandomState(0).rand(32, 4).astype("float32")
     y = x.sum(axis=1, keepdims=True)
@@ -923,11 +928,7 @@ def test_two_fits_in_a_row_and_a_fit_without_it_leak_nothing(tmp_path):
 
 def test_plain_keras_model_resumes_unshuffled_input(tmp_path):
     def plain():
-        keras.utils.set_random_seed(2)
-        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4),
-                                  keras.layers.Dense(1)])
-        model.compile(keras.optimizers.Adam(0.02), "mse")
-        return model
+        return plain_model(seed=2, features=6, hidden=4, learning_rate=0.02)
 
     ref = plain()
     ref.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0)
