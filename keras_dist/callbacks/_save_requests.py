@@ -113,7 +113,8 @@ class SaveRequests:
                     "BackupAndRestore: the workers could not agree on a backup "
                     "step through the job's key-value store (TensorFlow's "
                     "coordination service, served by the chief): "
-                    f"{type(self._error).__name__}: {str(self._error).splitlines()[0]}"
+                    f"{type(self._error).__name__}: "
+                    f"{(str(self._error).splitlines() or [''])[0]}"
                 ) from self._error
             if completed in self._targets:
                 self._targets.discard(completed)
