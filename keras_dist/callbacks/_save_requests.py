@@ -97,11 +97,13 @@ class SaveRequests:
         is agreed the same way). This worker answers `completed`: the save
         comes after batch `completed + 1`, or later if a peer is ahead.
         """
-        with self._cond:
+        if ask:  # recorded before the request, so this worker answers it
+            with self._cond:
+                self._completed = completed
+            for reason in ask:
+                self._ask(reason)
+        with self._cond:  # the one lock of a step without a request
             self._completed = completed
-        for reason in ask:
-            self._ask(reason)
-        with self._cond:
             while self._error is None and any(
                 answer < completed for answer in self._answered.values()
             ):

@@ -533,6 +533,9 @@ def test_a_plain_keras_model_falls_back_from_a_damaged_data_shard(tmp_path):
                             callbacks=[BackupAndRestore(backup_dir)])
     assert history.epoch == [1, 2]  # the epoch of the previous backup, resumed
     assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
+    # Every logged number of the resumed epochs is the uninterrupted run's.
+    assert np.allclose(history.history["loss"], reference.history.history["loss"][1:],
+                       rtol=0, atol=1e-6)
 
 
 def test_unreadable_file_falls_back_to_previous(tmp_path, crashed_once, monkeypatch):
