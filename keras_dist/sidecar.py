@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from keras_dist import _backup_store as store
 from keras_dist import _checks, _resume
-from keras_dist.callbacks.backup_and_restore import backup_groups
+from keras_dist.callbacks.backup_and_restore import backup_groups, holds_global_seed
 
 # Errors of a checkpoint that training is writing or pruning right now:
 # tried again at the next look (a newer one usually replaces it).
@@ -262,9 +262,14 @@ class SidecarEvaluator:
 
     def _load_backup(self, found: _Found) -> bool:
         state = store.verify(found.path)
-        groups = backup_groups(self.model, build_optimizer=False)
-        problem = _resume.mismatch("model", _resume.describe(groups["model"]),
-                                   state["variables"].get("model", []))
+        # The model's own variables: the state of the training process's
+        # global SeedGenerator (the last entry where it had one) is not
+        # the model's, and this process's own is left as it is.
+        groups = backup_groups(self.model, build_optimizer=False, global_seed=False)
+        saved = state["variables"].get("model", [])
+        if holds_global_seed(saved, len(groups["model"])):
+            saved = saved[:-1]
+        problem = _resume.mismatch("model", _resume.describe(groups["model"]), saved)
         if problem:
             raise TypeError(
                 f"SidecarEvaluator: the backups in {self.checkpoint_dir!r} are not "

@@ -52,6 +52,11 @@ class Acknowledge(keras.callbacks.Callback):
 def trained(tmp_path_factory):
     """A training process whose epochs the evaluator follows as they end."""
     work = str(tmp_path_factory.mktemp("sidecar"))
+    # An unseeded random draw of this process's own: Keras' global
+    # SeedGenerator exists here and not in the trainer (it was once
+    # compared as part of the model: "the backup has 4 variables, the
+    # model 5", after another module's tests in the same process).
+    keras.random.uniform((1,))
     trainer = subprocess.Popen(
         [sys.executable, TRAINER, work], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3"))

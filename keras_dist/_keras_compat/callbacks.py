@@ -71,11 +71,16 @@ def set_initial_epoch(model, epoch: int | None) -> None:
     model._initial_epoch = epoch
 
 
-def global_seed_variables() -> list:
-    """The state of Keras' global SeedGenerator (unseeded `keras.random`)."""
+def global_seed_variables(create: bool = False) -> list:
+    """The state of Keras' global SeedGenerator (unseeded `keras.random`);
+    `create`: made first where this process has none yet (as Keras' first
+    unseeded random call makes it)."""
     from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
 
     generator = global_state.get_global_attribute("global_seed_generator")
+    if generator is None and create:
+        generator = seed_generator.global_seed_generator()
     return [generator.state] if generator is not None else []
 
 
@@ -104,6 +109,7 @@ INTERNALS = {
         "_initial_epoch",
     ),
     "keras.src.backend.common.global_state": ("get_global_attribute",),
+    "keras.src.random.seed_generator": ("global_seed_generator",),
     "keras.src.callbacks.backup_and_restore.BackupAndRestore.__init__ (source)": (
         KERAS_BACKUP_PATHS[1:]
     ),

@@ -391,7 +391,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "inputs, or model.build(input_shape)), or wrap it with "
                 "keras_dist.distribute(model), which builds it first."
             )
-        groups = self._groups()
+        groups = backup_groups(self.model, saved=state["variables"])
         _resume.check_compatible(state["variables"], groups, self.backup_dir)
         checkpoint = tf.train.Checkpoint(
             model=groups["model"], optimizer=groups["optimizer"]
@@ -864,27 +864,51 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._reset_run()
 
 
-def backup_groups(model, build_optimizer: bool = True) -> dict:
+def backup_groups(model, build_optimizer: bool = True, saved: dict | None = None,
+                  global_seed: bool = True) -> dict:
     """The variables a backup holds, by group, in the order they are saved
-    (also what `keras_dist.SidecarEvaluator` restores)."""
+    (also what `keras_dist.SidecarEvaluator` restores).
+
+    The model group ends with the state of Keras' global SeedGenerator
+    where the process has one (made by the first unseeded `keras.random`
+    call, not by the model). To restore a backup (`saved`: its variables'
+    descriptions) that state is there where the backup holds it, made
+    first if this process has none yet (the random stream goes on where
+    the backed-up run was), and left out where the backup has none (this
+    process's own stays as it is). `global_seed=False`: never (an
+    evaluator's process keeps its own random state)."""
     sharded = getattr(model, "__keras_dist_backup_variables__", None)
     if sharded is not None:
         # A keras_dist.dtensor.ShardedModel: its state gathered from the
         # mesh into host variables (scattered back by `__keras_dist_restore_backup_variables__`).
         groups = sharded()
-        return {
-            "model": groups["model"] + _keras_compat.global_seed_variables(),
-            "optimizer": groups["optimizer"],
-            "metrics": list(model.metrics_variables),
-        }
-    optimizer = model.optimizer
-    if build_optimizer and optimizer is not None and not optimizer.built and model.built:
-        optimizer.build(model.trainable_variables)
+        own, optimizer_variables = groups["model"], groups["optimizer"]
+    else:
+        optimizer = model.optimizer
+        if build_optimizer and optimizer is not None and not optimizer.built and model.built:
+            optimizer.build(model.trainable_variables)
+        own = list(model.variables)
+        optimizer_variables = list(optimizer.variables) if optimizer is not None else []
+    if not global_seed:
+        seed = []
+    elif saved is None:
+        seed = _keras_compat.global_seed_variables()
+    else:
+        seed = (_keras_compat.global_seed_variables(create=True)
+                if holds_global_seed(saved.get("model", []), len(own)) else [])
     return {
-        "model": list(model.variables) + _keras_compat.global_seed_variables(),
-        "optimizer": list(optimizer.variables) if optimizer is not None else [],
+        "model": own + seed,
+        "optimizer": optimizer_variables,
         "metrics": list(model.metrics_variables),
     }
+
+
+def holds_global_seed(saved_model: list, own: int) -> bool:
+    """Whether a backup's model group (descriptions) ends with the global
+    SeedGenerator's state after a model's `own` variables."""
+    return len(saved_model) == own + 1 and (
+        str(saved_model[-1][0]).endswith("seed_generator_state")
+        and list(saved_model[-1][1]) == [2])
 
 
 def _bind(skipping, original):

@@ -150,6 +150,52 @@ def test_an_unbuilt_subclassed_model_on_one_device_resumes(tmp_path):
     assert max_abs_diff(expected.get_weights(), model.get_weights()) < 1e-6
 
 
+def global_seed_state():
+    """The state of Keras' global SeedGenerator (None: the process has none)."""
+    from keras_dist import _keras_compat
+
+    found = _keras_compat.global_seed_variables()
+    return found[0].numpy().tolist() if found else None
+
+
+@pytest.mark.parametrize("made_in", ["the backed-up run", "the resumed run"])
+def test_a_resume_does_not_depend_on_the_process_having_made_keras_global_seed(
+        tmp_path, made_in):
+    """Keras' global SeedGenerator belongs to the process (its first
+    unseeded `keras.random` call makes it), not to the model: a resumed
+    run that made it where the backed-up run had not, or the reverse,
+    resumes as the uninterrupted run (weights and every logged number).
+    Where the backup holds its state the stream goes on from there; where
+    it does not, the process's own is left as it was."""
+    backup_dir = str(tmp_path / "b")
+    model = make()  # keras.utils.set_random_seed: no global SeedGenerator yet
+    if made_in == "the backed-up run":
+        keras.random.uniform((3,))  # the process's first unseeded draw
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0, callbacks=[
+            BackupAndRestore(backup_dir, save_freq=3), Crash(13)])
+    # Training draws nothing from it: the state the backup holds (or none).
+    backed_up = global_seed_state()
+    assert (backed_up is not None) == (made_in == "the backed-up run")
+    next_draw = keras.random.uniform((3,)).numpy() if backed_up else None
+
+    model = make()  # as a fresh process: no global SeedGenerator
+    if made_in == "the resumed run":
+        keras.random.uniform((3,))
+    before = global_seed_state()
+    history = model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
+                        callbacks=[BackupAndRestore(backup_dir, save_freq=3)])
+    after = global_seed_state()
+    if made_in == "the backed-up run":
+        assert before is None and after == backed_up
+        np.testing.assert_array_equal(keras.random.uniform((3,)).numpy(), next_draw)
+    else:
+        assert before is not None and after == before
+    assert len(history.history["loss"]) == 2  # resumed in epoch 2
+    assert max_abs_diff(reference_weights(), model.get_weights()) < 1e-6
+    assert_logs_as_uninterrupted(history, 2)
+
+
 def test_an_unbuilt_plain_model_gets_a_clear_error_and_keeps_its_backup(tmp_path):
     class Plain(keras.Model):
         def __init__(self):

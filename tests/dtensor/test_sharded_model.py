@@ -47,9 +47,11 @@ def steps_of(done) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every golden, one process per mesh, two at a time (outcomes are
-    checked, not speed). model=2 trains the one-device references and
-    writes them; the other meshes read them (the same seeded computation;
+    """Every golden, one process per mesh, the three at once (outcomes are
+    checked, not speed; two at a time ran model=4 only after model=2
+    ended: 474 of the fixture's 489 s in one full run, where together the
+    longest process, batch=2 x model=2, sets the time). model=2 trains
+    the one-device references and writes them; the other meshes read them (the same seeded computation;
     the loss matrix's sharded models start from the weights model=2's
     one-device runs started from).
     Saved on batch=2 x model=2 (its first step), then loaded onto model=4
@@ -68,7 +70,7 @@ def runs(tmp_path_factory):
                           f"errors={errors}"],
         "model4": [sys.executable, SCRIPT, "steps", "model4", f"golden=read:{references}",
                    "fully_sharded=4", f"load={saved}", f"resume_copies={callbacks}"],
-    }, timeout=1800)  # per process, for a stuck one: on CPUs 2x slower a sound run passed 600 s
+    }, jobs=3, timeout=1800)  # per process, for a stuck one: on CPUs 2x slower a sound run passed 600 s
     results = {}
     for mesh in ("model2", "batch2_model2", "model4"):
         rows_of(done[mesh])  # the process succeeded
