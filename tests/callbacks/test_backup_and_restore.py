@@ -1283,3 +1283,34 @@ def test_one_process_reuses_the_directory_it_holds(tmp_path):
     model.fit(**fit_args("numpy"), epochs=EPOCHS, verbose=0,
               callbacks=[BackupAndRestore(backup_dir, save_freq=2)])
     assert not os.path.exists(backup_dir)
+
+
+def test_a_plain_keras_model_resumes_after_the_process_made_keras_global_seed(tmp_path):
+    """The drop-in form (keras.Sequential, Keras' fit, keras_dist's callback,
+    validation data): the backed-up run never drew from `keras.random`, the
+    resumed process did before fit; it resumes, and every logged number
+    (loss, val_loss) equals the uninterrupted run's."""
+    backup_dir = str(tmp_path / "b")
+    x = np.random.RandomState(0).rand(40, 4).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    arguments = dict(x=x[:32], y=y[:32], batch_size=8, epochs=3, verbose=0, shuffle=False,
+                     validation_data=(x[32:], y[32:]))
+
+    def plain():  # keras.utils.set_random_seed: no global SeedGenerator
+        return plain_model(seed=3, features=4, hidden=3, learning_rate=0.01)
+
+    reference = plain()
+    expected = reference.fit(**arguments).history
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        plain().fit(**arguments, callbacks=[BackupAndRestore(backup_dir), Crash(6)])
+    assert global_seed_state() is None  # the backup holds none
+    model = plain()
+    model.build((None, 4))
+    keras.random.normal((2,))  # the resumed process's own unseeded draw
+    before = global_seed_state()
+    history = model.fit(**arguments, callbacks=[BackupAndRestore(backup_dir)])
+    assert before is not None and global_seed_state() == before
+    assert history.epoch == [1, 2]  # resumed after epoch 1's backup
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
+    for key in ("loss", "val_loss"):
+        np.testing.assert_allclose(history.history[key], expected[key][1:], rtol=1e-6)
