@@ -927,3 +927,46 @@ def test_user_objects_need_no_config():
     empty.compile("sgd", "mse")
     empty.fit(x, y, batch_size=8, verbose=0)
     assert all(isinstance(v.value, tf.distribute.DistributedValues) for v in empty.weights)
+
+
+def test_simulated_replicas_share_the_cores_unless_the_user_chose(tmp_path):
+    # N logical CPUs run their ops at once; TensorFlow's default also splits
+    # each op over every core. simulate_replicas gives each op the cores
+    # divided by the devices, and leaves a user's own choice alone (the
+    # environment variable or tf.config), all before TensorFlow starts.
+    import subprocess
+    import sys
+
+    script = tmp_path / "threads.py"
+    script.write_text(
+        "import os\n"
+        "import keras_dist\n"
+        "import tensorflow as tf\n"
+        "threads = tf.config.threading.get_intra_op_parallelism_threads\n"
+        "cores = len(os.sched_getaffinity(0))\n"
+        "os.environ['TF_NUM_INTRAOP_THREADS'] = '2'\n"
+        "keras_dist.simulate_replicas(2)\n"
+        "assert threads() == 0, threads()\n"
+        "del os.environ['TF_NUM_INTRAOP_THREADS']\n"
+        "keras_dist.simulate_replicas(4)\n"
+        "assert threads() == max(1, cores // 4), (threads(), cores)\n"
+        "keras_dist.simulate_replicas(1)\n"
+        "assert threads() == 0, threads()\n"
+        "tf.config.threading.set_intra_op_parallelism_threads(3)\n"
+        "keras_dist.simulate_replicas(2)\n"
+        "assert threads() == 3, threads()\n"
+        "import keras, numpy as np\n"
+        "model = keras_dist.distribute(keras.Sequential([keras.Input((3,)), "
+        "keras.layers.Dense(1)]), strategy='mirrored')\n"
+        "model.compile('sgd', 'mse')\n"
+        "x = np.random.rand(16, 3).astype('float32')\n"
+        "model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0)\n"
+        "assert model.distribute_strategy.num_replicas_in_sync == 2\n"
+        "assert threads() == 3, threads()\n"
+        "print('OK')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TF_NUM_INTRAOP_THREADS"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), (
+        done.stdout[-2000:] + done.stderr[-2000:])
