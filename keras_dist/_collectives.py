@@ -52,11 +52,17 @@ CHIEF_ONLY_CALLBACKS = (
 def callbacks_for_this_worker(strategy: tf.distribute.Strategy, callbacks):
     """`callbacks` as this worker runs them: without the chief-only ones on
     the other workers of a multi-worker job (see `CHIEF_ONLY_CALLBACKS`)."""
-    if (
-        not isinstance(callbacks, (list, tuple))
-        or not is_multi_worker(strategy)
-        or is_chief(strategy)
-    ):
+    if not is_multi_worker(strategy):
+        return callbacks
+    return callbacks_for_this_process(callbacks, chief=is_chief(strategy))
+
+
+def callbacks_for_this_process(callbacks, chief: bool):
+    """`callbacks` as one process of a multi-process job runs them (a
+    multi-worker strategy's, or a DTensor mesh's over several processes):
+    all of them on the chief; elsewhere without the chief-only ones, and
+    Keras' `BackupAndRestore` writing privately (`_PrivateBackupWrites`)."""
+    if not isinstance(callbacks, (list, tuple)) or chief:
         return callbacks
     return [
         _PrivateBackupWrites(c) if type(c) is keras.callbacks.BackupAndRestore else c

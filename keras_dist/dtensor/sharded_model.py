@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from keras_dist import _keras_compat, _liveness
+from keras_dist import _collectives, _keras_compat, _liveness
 from keras_dist.dtensor.fully_sharded import FullySharded
 from keras_dist.dtensor.layout_mapper import LayoutMapper, convolution_variables
 
@@ -197,23 +197,72 @@ class ShardedModel(keras.Model):
             # when Keras creates it (a seeded reshuffle orders each pass by
             # how many were created before: as in plain Keras).
             with _keras_compat.lean_epoch_iterators(background_release=True, lazy=False):
-                return super().fit(x, y, batch_size, epochs, verbose, callbacks, **kwargs)
+                return super().fit(x, y, batch_size, epochs, self._verbose(verbose),
+                                   self._callbacks(callbacks), **kwargs)
         finally:
             self._refresh_mirror()
 
-    def evaluate(self, x=None, y=None, batch_size=None, *args, **kwargs):
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
+                 steps=None, callbacks=None, return_dict=False, **kwargs):
         """`keras.Model.evaluate`: the forward pass sharded, the loss and
         metrics from the gathered predictions (any number of samples)."""
         if not kwargs.get("_use_cached_eval_dataset", False):
             self._check_data("evaluate", x, y, batch_size, needs_y=True)
         self._refresh_mirror()  # weight regularizers read the mirror
         with _keras_compat.lean_epoch_iterators(background_release=True, lazy=False):
-            return super().evaluate(x, y, batch_size, *args, **kwargs)
+            return super().evaluate(x, y, batch_size, self._verbose(verbose), sample_weight,
+                                    steps, self._callbacks(callbacks), return_dict, **kwargs)
 
-    def predict(self, x, batch_size=None, *args, **kwargs):
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         """`keras.Model.predict`, gathered on the host (any number of samples)."""
         self._check_data("predict", x, None, batch_size, needs_y=False)
-        return super().predict(x, batch_size, *args, **kwargs)
+        return super().predict(x, batch_size, self._verbose(verbose), steps,
+                               self._callbacks(callbacks))
+
+    # -- one job of several processes (a mesh over them) ---------------------
+
+    @staticmethod
+    def _verbose(verbose):
+        """Progress output from process 0 only, as a multi-worker
+        `DistributedModel` prints it from its chief only."""
+        return verbose if dtensor.num_clients() == 1 or dtensor.client_id() == 0 else 0
+
+    @staticmethod
+    def _callbacks(callbacks):
+        """On a mesh over several processes: Keras' file-writing callbacks
+        (TensorBoard, CSVLogger, RemoteMonitor) on process 0 only, and
+        Keras' `BackupAndRestore` writing process 0's backup only, as for a
+        multi-worker `DistributedModel`: a job leaves what one process
+        leaves. `ModelCheckpoint` runs everywhere: its `save` gathers on
+        every process and writes on process 0 (`save`)."""
+        if dtensor.num_clients() == 1:
+            return callbacks
+        return _collectives.callbacks_for_this_process(callbacks,
+                                                       chief=dtensor.client_id() == 0)
+
+    def _written_by_process_zero(self, write, filepath) -> None:
+        """`write()` on process 0 only, every process returning once the
+        file is complete (one all-reduce after the write, which also tells
+        the others whether it failed). A single process just writes."""
+        if dtensor.num_clients() == 1:
+            write()
+            return
+        error = None
+        if dtensor.client_id() == 0:
+            try:
+                write()
+            except BaseException as e:  # joins the others before raising
+                error = e
+        failed = self._from_chief(tf.constant(0.0 if error is None else 1.0),
+                                  dtensor.Layout.replicated(self._kd.dmesh, 0))
+        failed = float(dtensor.unpack(failed)[0].numpy())
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(
+                f"Process 0 of this job could not write {os.fspath(filepath)!r} "
+                "(its output says why); nothing was written by this process."
+            )
 
     def make_train_function(self, force=False):
         if self.train_function is None or force:
@@ -513,15 +562,22 @@ class ShardedModel(keras.Model):
         """Saves a `.keras` file gathered to replicated, optimizer state included.
 
         `keras_dist.dtensor.load_model(filepath, mesh)` re-shards it onto any
-        mesh; `keras.saving.load_model(filepath)` loads it unsharded.
+        mesh; `keras.saving.load_model(filepath)` loads it unsharded. On a
+        mesh over several processes call it on every process (each gathers
+        the weights): process 0 writes the file, and every process returns
+        once it is complete.
         """
         _check_suffix("filepath", filepath, ".keras")
-        self.to_keras().save(filepath, overwrite=overwrite, **kwargs)
+        host = self.to_keras()  # gathered on every process of the mesh
+        self._written_by_process_zero(
+            lambda: host.save(filepath, overwrite=overwrite, **kwargs), filepath)
 
     def save_weights(self, filepath, overwrite=True, **kwargs) -> None:
         """Saves the gathered weights and optimizer state to a `.weights.h5` file."""
         _check_suffix("filepath", filepath, ".weights.h5")
-        self.to_keras().save_weights(filepath, overwrite=overwrite, **kwargs)
+        host = self.to_keras()  # gathered on every process of the mesh
+        self._written_by_process_zero(
+            lambda: host.save_weights(filepath, overwrite=overwrite, **kwargs), filepath)
 
     def load_weights(self, filepath, *args, **kwargs) -> None:
         """Loads a `.weights.h5` file (saved from any mesh, or by Keras) and re-shards it."""
@@ -750,8 +806,9 @@ def _check_callbacks(callbacks) -> None:
                 "does not support a mesh that spans several processes yet "
                 f"(this one spans {dtensor.num_clients()}). Received: "
                 "callbacks=[..., BackupAndRestore(...), ...]. Use "
-                "keras.callbacks.BackupAndRestore (epoch boundaries) with a "
-                "backup directory of its own per process."
+                "keras.callbacks.BackupAndRestore (epoch boundaries) with one "
+                "backup directory for the job: process 0 writes it, every "
+                "process resumes from it."
             )
 
 

@@ -572,9 +572,66 @@ def multiclient(mesh, directory):
         results["shuffle_error"] = np.array("")
     except ValueError as error:
         results["shuffle_error"] = np.array(str(error))
+    results.update(written_once(mesh, os.path.join(directory, "files")))
     np.savez(os.path.join(directory, f"rank{rank}.npz"), **results)
     loss_matrix(mesh, reference_too=rank == 0)  # its JSON rows, on each process
     print("done", rank, flush=True)
+
+
+def written_once(mesh, directory):
+    """Keras' file-writing callbacks, progress output and saving on a mesh
+    over several processes, as a user's script runs them on every process:
+    interrupted after epoch 2 (Keras' BackupAndRestore saved it), then
+    resumed by a second fit with the same callbacks. What the job leaves is
+    checked by the test; this returns what this process trained and read."""
+    x, y = data("conv")
+    validation = (x[:8], y[:8])
+    model = build("conv", OPTIMIZERS["momentum"](), seeded=False)
+    sharded = kd.shard(model, mesh, kd.LayoutMapper(mesh, min_elements=0))
+    reference = build("conv", OPTIMIZERS["momentum"](), seeded=False)
+    reference.set_weights(sharded.get_weights())
+    expected = reference.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                             validation_data=validation).history
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("interrupted after epoch 2")
+
+    os.makedirs(directory, exist_ok=True)
+    callbacks = [
+        keras.callbacks.BackupAndRestore(os.path.join(directory, "backup")),
+        keras.callbacks.CSVLogger(os.path.join(directory, "log.csv"), append=True),
+        keras.callbacks.TensorBoard(os.path.join(directory, "tb")),
+        keras.callbacks.ModelCheckpoint(os.path.join(directory, "checkpoint.keras")),
+    ]
+    try:
+        sharded.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=2,
+                    validation_data=validation, callbacks=[*callbacks, Interrupt()])
+        interrupted = False
+    except RuntimeError:
+        interrupted = True
+    resumed = sharded.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=2,
+                          validation_data=validation, callbacks=callbacks)
+    weights = sharded.get_weights()
+    sharded.save(os.path.join(directory, "final.keras"))
+    # Read at once, on every process: save returned once the file was complete.
+    loaded = keras.saving.load_model(os.path.join(directory, "final.keras"))
+    sharded.save_weights(os.path.join(directory, "final.weights.h5"))
+    reference_copy = build("conv", OPTIMIZERS["momentum"](), seeded=False)
+    reference_copy.optimizer.build(reference_copy.trainable_variables)
+    reference_copy.load_weights(os.path.join(directory, "final.weights.h5"))
+    return {
+        "files_interrupted": np.array(interrupted),
+        "files_resumed_epochs": np.array(resumed.epoch),
+        "files_expected_loss": np.array(expected["loss"]),
+        "files_expected_val_loss": np.array(expected["val_loss"]),
+        "files_resumed_loss": np.array(resumed.history["loss"]),
+        "files_resumed_val_loss": np.array(resumed.history["val_loss"]),
+        "files_max_diff": np.array(max_diff(weights, reference.get_weights())),
+        "files_loaded_diff": np.array(max(max_diff(loaded.get_weights(), weights),
+                                          max_diff(reference_copy.get_weights(), weights))),
+    }
 
 
 class Scale(keras.layers.Layer):

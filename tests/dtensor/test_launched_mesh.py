@@ -68,6 +68,43 @@ def test_one_mesh_spans_the_processes_of_a_launched_job(tmp_path, capfd):
     for r in ranks:
         assert "argument `shuffle` must be False for array input when a mesh spans " \
                "several processes" in str(r["shuffle_error"])
+    # Keras' file-writing callbacks, progress output and saving, called on
+    # both processes as a user's script does: the job leaves what one
+    # process leaves (as a multi-worker DistributedModel's does).
+    files = tmp_path / "files"
+    for r in ranks:
+        # Interrupted after epoch 2, resumed from process 0's Keras backup
+        # by both: epoch 3 alone, logged as one device logs it, the weights
+        # of 3 uninterrupted epochs on one device.
+        assert bool(r["files_interrupted"]) and r["files_resumed_epochs"].tolist() == [2]
+        np.testing.assert_allclose(r["files_resumed_loss"], r["files_expected_loss"][2:],
+                                   rtol=1e-5)
+        np.testing.assert_allclose(r["files_resumed_val_loss"],
+                                   r["files_expected_val_loss"][2:], rtol=1e-5)
+        assert float(r["files_max_diff"]) < 1e-5
+        # final.keras and final.weights.h5, read at once on both processes.
+        assert float(r["files_loaded_diff"]) == 0.0
+    rows = (files / "log.csv").read_text().splitlines()
+    assert rows[0] == "epoch,loss,val_loss", rows
+    assert [row.split(",")[0] for row in rows[1:]] == ["0", "1", "2"], rows
+    logged = np.array([[float(v) for v in row.split(",")[1:]] for row in rows[1:]])
+    np.testing.assert_allclose(logged[:, 0], ranks[0]["files_expected_loss"], rtol=1e-5)
+    np.testing.assert_allclose(logged[:, 1], ranks[0]["files_expected_val_loss"], rtol=1e-5)
+    for run in ("train", "validation"):  # one event file per fit, one process's
+        assert len(list((files / "tb" / run).glob("events.out.tfevents.*"))) == 2, run
+    assert not (files / "backup").exists()  # Keras deletes it when training ends
+    assert {p.name for p in files.iterdir()} == {
+        "log.csv", "tb", "checkpoint.keras", "final.keras", "final.weights.h5"}
+    import keras
+
+    # ModelCheckpoint saved after the last epoch: the weights saved after fit.
+    checkpoint = keras.saving.load_model(files / "checkpoint.keras").get_weights()
+    final = keras.saving.load_model(files / "final.keras").get_weights()
+    assert len(checkpoint) == len(final) == 8
+    for a, b in zip(checkpoint, final):
+        np.testing.assert_array_equal(a, b)
+    progress = [line for line in out.splitlines() if re.search(r"Epoch \d/3$", line)]
+    assert progress and all(line.startswith("[worker 0] ") for line in progress), progress
     # The loss and metric matrix on the 2-process mesh: each worker's rows.
     printed = {0: [], 1: []}
     for line in out.splitlines():
