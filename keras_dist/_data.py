@@ -381,3 +381,22 @@ def fingerprint(x, y=None, sample_weight=None) -> dict | None:
         digest.update(shapes.encode())
         return {"kind": "dataset", "shapes": shapes, "digest": digest.hexdigest()}
     return None
+
+
+def split_validation(arrays, validation_split):
+    """Keras' `validation_split` of `(x, y, sample_weight)` arrays: the last
+    fraction of the samples. Returns `(train, validation)` tuples."""
+    n = int(tf.nest.flatten(arrays[0])[0].shape[0])
+    split_at = int(n * (1.0 - validation_split))
+
+    def head(t):
+        return None if t is None else t[:split_at]
+
+    def tail(t):
+        return None if t is None else t[split_at:]
+
+    train = tuple(tf.nest.map_structure(head, a) if a is not None else None for a in arrays)
+    val = tuple(tf.nest.map_structure(tail, a) if a is not None else None for a in arrays)
+    if val[2] is None:
+        val = val[:2]
+    return train, val

@@ -418,7 +418,7 @@ class DistributedModel(keras.Model):
                 strategy, None, validation_batch_size, None, "validation_batch_size"
             )
         if validation_split and validation_data is None and _data.is_array_structure(x):
-            (x, y, sample_weight), validation_data = _split(
+            (x, y, sample_weight), validation_data = _data.split_validation(
                 (x, y, sample_weight), validation_split
             )
             validation_split = 0.0
@@ -748,24 +748,6 @@ def _optimizer(model: keras.Model):
     own does not forbid)."""
     optimizer = getattr(model, "optimizer", None)
     return optimizer if isinstance(optimizer, keras.optimizers.Optimizer) else None
-
-
-def _split(arrays, validation_split):
-    """Keras' `validation_split`: the last fraction of the samples."""
-    n = int(tf.nest.flatten(arrays[0])[0].shape[0])
-    split_at = int(n * (1.0 - validation_split))
-
-    def head(t):
-        return None if t is None else t[:split_at]
-
-    def tail(t):
-        return None if t is None else t[split_at:]
-
-    train = tuple(tf.nest.map_structure(head, a) if a is not None else None for a in arrays)
-    val = tuple(tf.nest.map_structure(tail, a) if a is not None else None for a in arrays)
-    if val[2] is None:
-        val = val[:2]
-    return train, val
 
 
 class _KerasModelConfig:

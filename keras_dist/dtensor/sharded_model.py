@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from keras_dist import _collectives, _keras_compat, _liveness
+from keras_dist import _collectives, _data, _keras_compat, _liveness
 from keras_dist.dtensor.fully_sharded import FullySharded
 from keras_dist.dtensor.layout_mapper import LayoutMapper, convolution_variables
 
@@ -183,14 +183,7 @@ class ShardedModel(keras.Model):
             )
         _check_callbacks(callbacks)
         if dtensor.num_clients() > 1 and kwargs.get("shuffle", True) and _is_arrays(x):
-            raise ValueError(
-                "fit(): argument `shuffle` must be False for array input when a "
-                "mesh spans several processes: every process must feed the same "
-                "batches, and Keras shuffles each process's arrays its own way. "
-                "Received: shuffle=True (Keras' default). Pass shuffle=False "
-                "(shuffle the arrays beforehand with a seed), or a tf.data "
-                "pipeline shuffled with the same seed on every process."
-            )
+            x, y, batch_size, kwargs = self._in_agreed_order(x, y, batch_size, kwargs)
         try:
             # Each epoch's iterator torn down off the training thread (after
             # sharded steps a teardown blocked for 100-200 ms), each created
@@ -220,6 +213,35 @@ class ShardedModel(keras.Model):
                                self._callbacks(callbacks))
 
     # -- one job of several processes (a mesh over them) ---------------------
+
+    def _in_agreed_order(self, x, y, batch_size, kwargs):
+        """Shuffled array input on a mesh over several processes: every
+        process must feed the same batches (each device takes its part),
+        and Keras would shuffle each process's arrays its own way. So the
+        arrays become a dataset shuffled with a seed process 0 draws from
+        NumPy's global generator (`keras.utils.set_random_seed` makes it
+        reproducible) and every process takes (one all-reduce), reshuffled
+        each epoch: as a multi-worker `DistributedModel` shuffles.
+        `validation_split` is taken off first, as Keras takes it (the
+        last samples, unshuffled)."""
+        kwargs = dict(kwargs)
+        if kwargs.get("shuffle", True) == "batch":
+            raise ValueError(
+                'fit(): shuffle="batch" is not supported on a mesh that spans '
+                'several processes. Received: shuffle="batch". Use shuffle=True.'
+            )
+        sample_weight = kwargs.pop("sample_weight", None)
+        if kwargs.get("validation_split") and kwargs.get("validation_data") is None:
+            (x, y, sample_weight), kwargs["validation_data"] = _data.split_validation(
+                (x, y, sample_weight), kwargs["validation_split"])
+        kwargs["validation_split"] = 0.0
+        drawn = tf.constant(float(np.random.randint(1, 2**31 - 1)), tf.float64)
+        seed = self._from_chief(drawn, dtensor.Layout.replicated(self._kd.dmesh, 0))
+        seed = int(dtensor.unpack(seed)[0].numpy())
+        kwargs["shuffle"] = False  # the dataset is shuffled
+        dataset = _data.array_dataset(tf.distribute.get_strategy(), x, y, sample_weight,
+                                      batch_size or 32, True, seed)
+        return dataset, None, None, kwargs
 
     @staticmethod
     def _verbose(verbose):
