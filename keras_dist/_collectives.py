@@ -16,6 +16,7 @@ that every worker issues in the same order (see STYLE.md, Callbacks):
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import keras
@@ -41,7 +42,8 @@ def is_chief(strategy: tf.distribute.Strategy) -> bool:
 # (none issues a collective or changes training): under multi-worker
 # training the chief's alone runs, so a job leaves what one process leaves
 # (one event file per TensorBoard run directory, one CSV writer, one request
-# per epoch). Exact classes: a subclass may do more, and runs everywhere.
+# per epoch). Exact classes: a subclass may do more, and runs everywhere
+# (a CSVLogger's or TensorBoard's writing privately off the chief: PRIVATE_PATHS).
 CHIEF_ONLY_CALLBACKS = (
     keras.callbacks.CSVLogger,
     keras.callbacks.RemoteMonitor,
@@ -60,29 +62,51 @@ def callbacks_for_this_worker(strategy: tf.distribute.Strategy, callbacks):
 def callbacks_for_this_process(callbacks, chief: bool):
     """`callbacks` as one process of a multi-process job runs them (a
     multi-worker strategy's, or a DTensor mesh's over several processes):
-    all of them on the chief; elsewhere without the chief-only ones, and
-    Keras' `BackupAndRestore` writing privately (`_PrivateBackupWrites`)."""
+    all of them on the chief; elsewhere without the chief-only ones (exact
+    classes), Keras' `BackupAndRestore` writing privately
+    (`_PrivateBackupWrites`), and a user's subclass of a chief-only callback
+    running with its files written privately (`_PrivateFileWrites`)."""
     if not isinstance(callbacks, (list, tuple)) or chief:
         return callbacks
-    return [
-        _PrivateBackupWrites(c) if type(c) is keras.callbacks.BackupAndRestore else c
-        for c in callbacks
-        if type(c) not in CHIEF_ONLY_CALLBACKS
-    ]
+    kept = []
+    for c in callbacks:
+        if type(c) in CHIEF_ONLY_CALLBACKS:
+            continue
+        if isinstance(c, keras.callbacks.BackupAndRestore):
+            kept.append(_PrivateBackupWrites(c))
+        elif isinstance(c, tuple(PRIVATE_PATHS)):
+            # A user's subclass: it may do more than write, so it runs on
+            # every worker, its files written to a private scratch path.
+            attribute = next(a for k, a in PRIVATE_PATHS.items() if isinstance(c, k))
+            kept.append(_PrivateFileWrites(c, attribute))
+        else:
+            kept.append(c)
+    return kept
 
 
-class _PrivateBackupWrites(keras.callbacks.Callback):
-    """Keras' `BackupAndRestore` on a worker that is not the chief.
+# Subclasses of the chief-only callbacks (the attribute naming where each
+# writes): run on every worker, writing privately off the chief.
+PRIVATE_PATHS = {
+    keras.callbacks.CSVLogger: "filename",
+    keras.callbacks.TensorBoard: "log_dir",
+}
 
-    Every worker restores from the shared `backup_dir` (all must start from
-    the same step); only the chief writes and deletes it. The others save
-    (their `save_weights` is a collective every worker joins) into a
-    private scratch directory, so that two workers never copy, truncate or
-    delete the same file (which failed with FileNotFoundError when both
-    deleted the directory at the end of training). The callback's own
-    paths are switched around each write only: it is left as the user
-    made it, even when `fit` raises.
-    """
+_HOOKS = tuple(
+    f"on_{stage}_{event}"
+    for stage in ("train", "epoch", "train_batch", "test", "test_batch", "predict",
+                  "predict_batch")
+    for event in ("begin", "end")
+)
+
+
+class _Private(keras.callbacks.Callback):
+    """Runs `callback` on a worker that is not the chief, every hook (and
+    `set_model`) with the callback's paths switched to a private scratch
+    directory for the call only (`_switch`): the callback is left as the
+    user made it, even when `fit` raises. The scratch directory goes at
+    the end of training."""
+
+    shared_hooks: tuple = ()  # hooks that see the shared paths
 
     def __init__(self, callback):
         super().__init__()
@@ -91,39 +115,81 @@ class _PrivateBackupWrites(keras.callbacks.Callback):
 
     def set_model(self, model):
         super().set_model(model)
-        self.callback.set_model(model)
+        self._privately(self.callback.set_model, model)
 
     def set_params(self, params):
         super().set_params(params)
         self.callback.set_params(params)
 
-    def _privately(self, hook, *args):
+    def _privately(self, hook, *args, **kwargs):
         if self._scratch is None:
-            self._scratch = tempfile.TemporaryDirectory(prefix="keras_dist_backup_")
-        shared = _keras_compat.keras_backup_paths(self.callback)
-        _keras_compat.set_keras_backup_paths(
-            self.callback,
-            _keras_compat.keras_backup_paths_in(self.callback, self._scratch.name),
-        )
+            self._scratch = tempfile.TemporaryDirectory(prefix="keras_dist_worker_")
+        restore = self._switch(self._scratch.name)
         try:
-            hook(*args)
+            hook(*args, **kwargs)
         finally:
-            _keras_compat.set_keras_backup_paths(self.callback, shared)
+            restore()
 
-    def on_train_begin(self, logs=None):
-        self.callback.on_train_begin(logs)  # restores from the shared directory
+    def _switch(self, directory: str):
+        """Points the callback's paths into `directory`; returns the undo."""
+        raise NotImplementedError
 
-    def on_epoch_end(self, epoch, logs=None):
-        self._privately(self.callback.on_epoch_end, epoch, logs)
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._privately(self.callback.on_train_batch_end, batch, logs)
-
-    def on_train_end(self, logs=None):
-        self._privately(self.callback.on_train_end, logs)
-        if self._scratch is not None:
+    def _hook(self, name, *args, **kwargs):
+        hook = getattr(self.callback, name)
+        if name in self.shared_hooks:
+            hook(*args, **kwargs)
+        else:
+            self._privately(hook, *args, **kwargs)
+        if name == "on_train_end" and self._scratch is not None:
             self._scratch.cleanup()
             self._scratch = None
+
+
+for _name in _HOOKS:
+    setattr(_Private, _name,
+            lambda self, *args, _name=_name, **kwargs: self._hook(_name, *args, **kwargs))
+
+
+class _PrivateBackupWrites(_Private):
+    """Keras' `BackupAndRestore` (or a subclass) on a worker that is not the chief.
+
+    Every worker restores from the shared `backup_dir` (all must start from
+    the same step; `on_train_begin` sees the shared paths); only the chief
+    writes and deletes it. The others save (their `save_weights` is a
+    collective every worker joins) into a private scratch directory, so
+    that two workers never copy, truncate or delete the same file (which
+    failed with FileNotFoundError when both deleted the directory at the
+    end of training; on a DTensor mesh h5py's file lock failed).
+    """
+
+    shared_hooks = ("on_train_begin",)
+
+    def set_model(self, model):
+        keras.callbacks.Callback.set_model(self, model)
+        self.callback.set_model(model)
+
+    def _switch(self, directory):
+        shared = _keras_compat.keras_backup_paths(self.callback)
+        _keras_compat.set_keras_backup_paths(
+            self.callback, _keras_compat.keras_backup_paths_in(self.callback, directory))
+        return lambda: _keras_compat.set_keras_backup_paths(self.callback, shared)
+
+
+class _PrivateFileWrites(_Private):
+    """A user's subclass of a chief-only callback (`PRIVATE_PATHS`) on a
+    worker that is not the chief: it runs (it may do more than write), its
+    file or log directory in a private scratch directory, so that the job
+    leaves the chief's files only."""
+
+    def __init__(self, callback, attribute: str):
+        super().__init__(callback)
+        self._attribute = attribute
+
+    def _switch(self, directory):
+        shared = getattr(self.callback, self._attribute)
+        name = os.path.basename(os.path.normpath(str(shared))) or "files"
+        setattr(self.callback, self._attribute, os.path.join(directory, name))
+        return lambda: setattr(self.callback, self._attribute, shared)
 
 
 _SUM_FUNCTIONS: dict = {}

@@ -742,6 +742,10 @@ def _callbacks():
             keras.callbacks.TerminateOnNaN(),
             keras.callbacks.LearningRateScheduler(lambda e, lr: lr * 0.9),
             keras.callbacks.BackupAndRestore(os.path.join(work, "backup")),
+            # A user's subclasses: they run on every worker (they may do
+            # more than write), and still leave one process's files.
+            LearningRateCSV(os.path.join(work, "lr.csv")),
+            LearningRateBoard(os.path.join(work, "tb_lr")),
         ]
         remote = os.environ.get("PARITY_REMOTE_MONITOR")
         if remote:
@@ -758,6 +762,25 @@ def _callbacks():
         return out
 
     return build, train
+
+
+def _with_learning_rate(model, logs):
+    rate = model.optimizer.learning_rate
+    return dict(logs or {}, rate_seen=float(keras.ops.convert_to_numpy(rate)))
+
+
+class LearningRateCSV(keras.callbacks.CSVLogger):
+    """A user's CSVLogger that also logs the learning rate it saw."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, _with_learning_rate(self.model, logs))
+
+
+class LearningRateBoard(keras.callbacks.TensorBoard):
+    """A user's TensorBoard that also logs the learning rate it saw."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, _with_learning_rate(self.model, logs))
 
 
 def files_left(work: str) -> dict:
@@ -782,10 +805,11 @@ def files_left(work: str) -> dict:
                     out.setdefault(key, []).append((event.step, number))
     out = {k: np.asarray(sorted(v), "float64") for k, v in out.items()}
     out["files"] = np.asarray(tree)
-    with open(os.path.join(work, "log.csv")) as f:
-        header, *rows = f.read().strip().splitlines()
-    out["csv/columns"] = np.asarray(header.split(","))
-    out["csv/values"] = np.asarray([[float(v) for v in r.split(",")] for r in rows])
+    for name, key in (("log.csv", "csv"), ("lr.csv", "csv_lr")):
+        with open(os.path.join(work, name)) as f:
+            header, *rows = f.read().strip().splitlines()
+        out[f"{key}/columns"] = np.asarray(header.split(","))
+        out[f"{key}/values"] = np.asarray([[float(v) for v in r.split(",")] for r in rows])
     return out
 
 
