@@ -24,18 +24,47 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _keras_compat, _liveness
-from keras_dist.strategy import worker_info
+from keras_dist.strategy import WorkerInfo, worker_info
 
 
-def is_multi_worker(strategy: tf.distribute.Strategy) -> bool:
-    """Whether `strategy` is a MultiWorkerMirroredStrategy over several processes."""
+class ProcessGroup:
+    """The processes of one job that trains outside a tf.distribute strategy
+    (a `keras_dist.dtensor` mesh over several processes), where a strategy
+    is expected below: `rank` (process 0 is the chief), `num_workers`, and
+    `total(values)`, the sums of every process's integer values (one
+    collective every process joins, in the same order)."""
+
+    def __init__(self, rank: int, num_workers: int, total):
+        self.rank, self.num_workers, self.total = rank, num_workers, total
+
+
+def group_of(model):
+    """The processes `model` trains over: a `ProcessGroup` where the model
+    has one (`__keras_dist_process_group__`), else its strategy."""
+    hook = getattr(model, "__keras_dist_process_group__", None)
+    group = hook() if hook is not None else None
+    return group if group is not None else model.distribute_strategy
+
+
+def process_info(strategy) -> WorkerInfo:
+    """`worker_info` for a strategy or a `ProcessGroup`."""
+    if isinstance(strategy, ProcessGroup):
+        return WorkerInfo(strategy.num_workers, strategy.rank, strategy.rank == 0)
+    return worker_info(strategy)
+
+
+def is_multi_worker(strategy) -> bool:
+    """Whether `strategy` (or a `ProcessGroup`) spans several processes:
+    a MultiWorkerMirroredStrategy over several, or a group of several."""
+    if isinstance(strategy, ProcessGroup):
+        return strategy.num_workers > 1
     return isinstance(
         strategy, tf.distribute.MultiWorkerMirroredStrategy
     ) and _keras_compat.in_multi_worker_mode(strategy)
 
 
-def is_chief(strategy: tf.distribute.Strategy) -> bool:
-    return worker_info(strategy).is_chief
+def is_chief(strategy) -> bool:
+    return process_info(strategy).is_chief
 
 
 # Keras' callbacks whose only effect is a file or a request for the user
@@ -238,6 +267,8 @@ def agree_sum(strategy: tf.distribute.Strategy, values) -> list[int]:
     """
     if not is_multi_worker(strategy):
         return [int(v) for v in values]
+    if isinstance(strategy, ProcessGroup):
+        return [int(v) for v in strategy.total([int(v) for v in values])]
     total = _first_replicas_sum(strategy)(
         tf.constant([int(v) for v in values], tf.int64)
     )

@@ -29,7 +29,6 @@ from keras_dist import (
 from keras_dist.callbacks import _background_write, _preemption, _save_requests
 from keras_dist.callbacks import _callback_states as callback_states
 from keras_dist.callbacks._sibling_hooks import SiblingHooks
-from keras_dist.strategy import worker_info
 
 PREEMPTED_EXIT_CODE = _exit_codes.PREEMPTED
 """Exit status of a process that saved a backup on a preemption signal."""
@@ -264,7 +263,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         `on_train_end` (it raised): a new fit looks at the disk again.
         """
         self._strategy = strategy
-        info = worker_info(strategy)
+        info = _collectives.process_info(strategy)
         self._chief = info.is_chief
         self._multi_worker = _collectives.is_multi_worker(strategy)
         if fresh:
@@ -631,7 +630,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         # A DistributedModel's fit chose the backup just before (it needs
         # the shuffle seed first); any other fit chooses now, from the disk.
         state = self._select(
-            self.model.distribute_strategy, fresh=context is None
+            _collectives.group_of(self.model), fresh=context is None
         )
         chosen, _, newest = self._selected
         self._sequence = newest
@@ -654,7 +653,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             and _save_requests.available()
         ):
             return None
-        info = worker_info(self._strategy)
+        info = _collectives.process_info(self._strategy)
         return _save_requests.SaveRequests(info.rank, info.num_workers, info.is_chief)
 
     def on_epoch_begin(self, epoch, logs=None):

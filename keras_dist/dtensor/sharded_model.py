@@ -384,12 +384,18 @@ class ShardedModel(keras.Model):
         """
         if dtensor.num_clients() == 1:
             return self._put(value, layout)
+        return dtensor.relayout(self._summed(value, lambda device: device == 0), layout)
+
+    def _summed(self, value, contributes):
+        """The sum over the mesh's devices of `value` where
+        `contributes(global device id)`, zeros elsewhere: replicated (one
+        all-reduce every process joins)."""
         value = tf.convert_to_tensor(value)
         dmesh = self._kd.dmesh
         axes = list(dmesh.dim_names)
         ones = [1] * len(axes)
         components = [
-            tf.reshape(value if device == 0 else tf.zeros_like(value),
+            tf.reshape(value if contributes(device) else tf.zeros_like(value),
                        ones + value.shape.as_list())
             for device in dmesh.local_device_ids()
         ]
@@ -397,8 +403,23 @@ class ShardedModel(keras.Model):
             components,
             dtensor.Layout(axes + [dtensor.UNSHARDED] * value.shape.rank, dmesh),
         )
-        total = tf.reduce_sum(stacked, axis=list(range(len(axes))))
-        return dtensor.relayout(total, layout)
+        return tf.reduce_sum(stacked, axis=list(range(len(axes))))
+
+    def __keras_dist_process_group__(self):
+        """The processes of a mesh over several (None on one): what keras_dist's
+        `BackupAndRestore` agrees with, as with a multi-worker strategy's
+        workers (process 0 is the chief)."""
+        if dtensor.num_clients() == 1:
+            return None
+        first = min(self._kd.dmesh.local_device_ids())
+
+        def total(values):
+            # Each process's values from its first device (float64 holds
+            # the integers exactly: sequence numbers, flags, codes).
+            summed = self._summed(tf.constant(values, tf.float64), lambda d: d == first)
+            return [int(round(v)) for v in dtensor.unpack(summed)[0].numpy()]
+
+        return _collectives.ProcessGroup(dtensor.client_id(), dtensor.num_clients(), total)
 
     def _get(self, value) -> np.ndarray:
         value = value.read_value() if hasattr(value, "read_value") else value
@@ -810,7 +831,7 @@ def _is_arrays(x) -> bool:
 
 def _check_callbacks(callbacks) -> None:
     """keras_dist's callbacks a ShardedModel cannot run: refused before any step."""
-    from keras_dist.callbacks import BackupAndRestore, PerReplicaMetrics
+    from keras_dist.callbacks import PerReplicaMetrics
 
     for callback in callbacks or []:
         if isinstance(callback, PerReplicaMetrics):
@@ -821,16 +842,6 @@ def _check_callbacks(callbacks) -> None:
                 "the batch over the mesh's 'batch' axis). Received: "
                 "callbacks=[..., PerReplicaMetrics(...), ...]. Remove it (a "
                 "ShardedModel has no replicas to compare)."
-            )
-        if isinstance(callback, BackupAndRestore) and dtensor.num_clients() > 1:
-            raise ValueError(
-                "Invalid callback in argument `callbacks`: BackupAndRestore "
-                "does not support a mesh that spans several processes yet "
-                f"(this one spans {dtensor.num_clients()}). Received: "
-                "callbacks=[..., BackupAndRestore(...), ...]. Use "
-                "keras.callbacks.BackupAndRestore (epoch boundaries) with one "
-                "backup directory for the job: process 0 writes it, every "
-                "process resumes from it."
             )
 
 

@@ -569,6 +569,7 @@ def multiclient(mesh, directory):
     results["predictions"] = predicted[1]
     results.update(shuffled(mesh))
     results.update(written_once(mesh, os.path.join(directory, "files")))
+    results.update(resumed_mid_epoch(mesh, os.path.join(directory, "kd_backup")))
     np.savez(os.path.join(directory, f"rank{rank}.npz"), **results)
     loss_matrix(mesh, reference_too=rank == 0)  # its JSON rows, on each process
     print("done", rank, flush=True)
@@ -611,6 +612,57 @@ def shuffled(mesh):
                 max_diff(sharded.get_weights(), reference.get_weights()))
             results[f"shuffled_{name}_history"] = np.array(
                 [fitted.history["loss"], fitted.history["val_loss"]])
+    return results
+
+
+def resumed_mid_epoch(mesh, directory):
+    """keras_dist's BackupAndRestore (every 3 batches) on the 2-process
+    mesh: both processes stop at batch 6 of epoch 2 (a callback raises, as
+    a crash would), then a new model (other unseeded weights) with a new
+    callback resumes from process 0's backup, mid-epoch. Against one
+    device's uninterrupted run from the first model's weights."""
+    from keras_dist.callbacks import BackupAndRestore
+
+    x, y = data("conv")  # 32 samples, batch 4: 8 steps per epoch
+
+    def sharded_model():
+        model = build("conv", OPTIMIZERS["momentum"](), seeded=False)
+        return kd.shard(model, mesh, kd.LayoutMapper(mesh, min_elements=0))
+
+    sharded = sharded_model()
+    reference = build("conv", OPTIMIZERS["momentum"](), seeded=False)
+    reference.set_weights(sharded.get_weights())
+    expected = reference.fit(x, y, batch_size=4, epochs=3, shuffle=False, verbose=0).history
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.epoch == 1 and batch == 5:
+                raise RuntimeError("crashed at epoch 2, batch 6")
+
+    arguments = dict(batch_size=4, epochs=3, shuffle=False, verbose=0)
+    try:
+        sharded.fit(x, y, callbacks=[BackupAndRestore(directory, save_freq=3), Crash()],
+                    **arguments)
+        crashed = False
+    except RuntimeError:
+        crashed = True
+    resumed = sharded_model()
+    history = resumed.fit(x, y, callbacks=[BackupAndRestore(directory, save_freq=3)],
+                          **arguments)
+    results = {f"kd_backup_w{i}": w for i, w in enumerate(resumed.get_weights())}
+    results.update({
+        "kd_backup_crashed": np.array(crashed),
+        "kd_backup_epochs": np.array(history.epoch),
+        "kd_backup_loss": np.array(history.history["loss"]),
+        "kd_backup_expected_loss": np.array(expected["loss"]),
+        "kd_backup_max_diff": np.array(max_diff(resumed.get_weights(),
+                                                reference.get_weights())),
+        "kd_backup_left": np.array(sorted(os.listdir(directory))
+                                   if os.path.isdir(directory) else []),
+    })
     return results
 
 

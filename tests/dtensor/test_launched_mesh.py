@@ -77,6 +77,21 @@ def test_one_mesh_spans_the_processes_of_a_launched_job(tmp_path, capfd):
     np.testing.assert_allclose(ranks[0]["shuffled_history"],
                                ranks[0]["shuffled_shuffled_history"], rtol=1e-5)
     assert float(ranks[0]["shuffled_unshuffled_max_diff"]) > 1e-3
+    # keras_dist's BackupAndRestore on the 2-process mesh: a crash at batch
+    # 6 of epoch 2 on both, a new model resumed from process 0's backup
+    # mid-epoch: one device's uninterrupted weights, epochs 2 and 3 logged
+    # as it logs them, the same weights on both, the backups gone after.
+    for r in ranks:
+        assert bool(r["kd_backup_crashed"]) and r["kd_backup_epochs"].tolist() == [1, 2]
+        assert float(r["kd_backup_max_diff"]) < 1e-5
+        np.testing.assert_allclose(r["kd_backup_loss"], r["kd_backup_expected_loss"][1:],
+                                   rtol=1e-5)
+        assert r["kd_backup_left"].tolist() == []
+    restored = [k for k in ranks[0].files if re.fullmatch(r"kd_backup_w\d+", k)]
+    assert len(restored) == 8, restored
+    for key in restored:
+        np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
+    assert "BackupAndRestore: restored" in out and "(epoch 2, step " in out
     # Keras' file-writing callbacks, progress output and saving, called on
     # both processes as a user's script does: the job leaves what one
     # process leaves (as a multi-worker DistributedModel's does).
