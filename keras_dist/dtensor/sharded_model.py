@@ -837,11 +837,14 @@ def _check_callbacks(callbacks) -> None:
         if isinstance(callback, PerReplicaMetrics):
             raise ValueError(
                 "Invalid callback in argument `callbacks`: PerReplicaMetrics "
-                "does not support a ShardedModel yet (it works with the "
-                "replicas of a tf.distribute strategy; a ShardedModel splits "
-                "the batch over the mesh's 'batch' axis). Received: "
-                "callbacks=[..., PerReplicaMetrics(...), ...]. Remove it (a "
-                "ShardedModel has no replicas to compare)."
+                "measures the replicas of a tf.distribute strategy, each running "
+                "its own copy of the step (its own metrics, its wait for the "
+                "others); a ShardedModel runs one step over the whole mesh, its "
+                "devices in lockstep inside every collective, and computes its "
+                "metrics once, from the gathered predictions: there is no "
+                "replica to time or compare. Received: callbacks=[..., "
+                "PerReplicaMetrics(...), ...]. Remove it (per-replica numbers "
+                "need a DistributedModel)."
             )
 
 

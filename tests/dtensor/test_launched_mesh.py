@@ -86,7 +86,8 @@ def test_one_mesh_spans_the_processes_of_a_launched_job(tmp_path, capfd):
         assert float(r["kd_backup_max_diff"]) < 1e-5
         np.testing.assert_allclose(r["kd_backup_loss"], r["kd_backup_expected_loss"][1:],
                                    rtol=1e-5)
-        assert r["kd_backup_left"].tolist() == []
+    # Process 0 deletes them as its fit ends (process 1's fit may end first).
+    assert ranks[0]["kd_backup_left"].tolist() == []
     restored = [k for k in ranks[0].files if re.fullmatch(r"kd_backup_w\d+", k)]
     assert len(restored) == 8, restored
     for key in restored:

@@ -206,7 +206,7 @@ def test_bad_arguments_are_named_before_any_step(runs):
         # (floor): 57 train, and batch 16 leaves a last batch of 9.
         "validation_split_last_batch": "the last batch of 9 samples (57 training samples",
         "callback_refused": "ValueError: Invalid callback in argument `callbacks`: "
-        "PerReplicaMetrics does not support a ShardedModel yet",
+        "PerReplicaMetrics measures the replicas of a tf.distribute strategy",
         "recurrent_loop": "ValueError: shard() cannot run layer 'lstm",
     }
     for name, text in expected.items():
