@@ -133,7 +133,8 @@ class _Private(keras.callbacks.Callback):
     `set_model`) with the callback's paths switched to a private scratch
     directory for the call only (`_switch`): the callback is left as the
     user made it, even when `fit` raises. The scratch directory goes at
-    the end of training."""
+    the end of training. Each kind defines `_switch(directory)`: points the
+    callback's paths into `directory` and returns the undo."""
 
     shared_hooks: tuple = ()  # hooks that see the shared paths
 
@@ -158,10 +159,6 @@ class _Private(keras.callbacks.Callback):
             hook(*args, **kwargs)
         finally:
             restore()
-
-    def _switch(self, directory: str):
-        """Points the callback's paths into `directory`; returns the undo."""
-        raise NotImplementedError
 
     def _hook(self, name, *args, **kwargs):
         hook = getattr(self.callback, name)
