@@ -43,7 +43,8 @@ UNRESPONSIVE_AFTER = 15.0
 STOPPED_AFTER = 5.0
 # A file the launcher writes in its heartbeat folder when a worker failed:
 # the others then abort their collectives (`_peer_lost`); looked for
-# `_LOOKS_PER_BEAT` times per heartbeat.
+# `_LOOKS_PER_BEAT` times per heartbeat, as is the launcher (a worker whose
+# launcher is gone stops within a tenth of a heartbeat).
 PEER_LOST = "peer-lost"
 _LOOKS_PER_BEAT = 10
 
@@ -90,6 +91,8 @@ def _beat() -> None:
             return
         for _ in range(_LOOKS_PER_BEAT):
             time.sleep(INTERVAL / _LOOKS_PER_BEAT)
+            if os.getppid() != launcher:  # gone: stop within a look, not a beat
+                _orphaned(launcher)
             if not _state["peer_lost"] and os.path.exists(lost):
                 _peer_lost(lost)
 
