@@ -50,10 +50,7 @@ def simulate_replicas(num_replicas: int) -> int:
     resolves to a `MirroredStrategy` over the logical CPUs, and collectives
     run as they would across GPUs. It must run before TensorFlow initializes
     its devices (before the first op, model or strategy); calling it again
-    with the same count is harmless. Each op also gets the host's cores
-    divided by `num_replicas` (TensorFlow's intra-op threads: the devices
-    run their ops at once), unless `TF_NUM_INTRAOP_THREADS` or
-    `tf.config.threading.set_intra_op_parallelism_threads` chose already.
+    with the same count is harmless.
 
     Args:
         num_replicas: Integer from 1 to 1024, the number of logical CPUs
@@ -104,29 +101,7 @@ def simulate_replicas(num_replicas: int) -> int:
             "program, before creating any tensor, model or strategy. "
             f"TensorFlow said: {e}"
         ) from None
-    _share_cores(num_replicas)
     return num_replicas
-
-
-def _share_cores(devices: int) -> None:
-    """Each logical CPU runs its ops at the same time as the others' (the
-    replicas of a step, a mesh's devices), and TensorFlow's default splits
-    every op over all cores too: N devices ask for N times the cores. So
-    each op gets the cores divided by the devices (at least one), unless
-    the user chose (`TF_NUM_INTRAOP_THREADS` or
-    `tf.config.threading.set_intra_op_parallelism_threads`). Measured with
-    4 logical CPUs on 2 cores (benchmarks scenario 6): a MirroredStrategy
-    step 37.4 -> 31.0 ms, a DTensor model=4 step 22.9 -> 19.4 ms."""
-    if os.environ.get("TF_NUM_INTRAOP_THREADS") or (
-            tf.config.threading.get_intra_op_parallelism_threads() not in (0, _shared[0])):
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, (cores or 1) // devices) if devices > 1 else 0  # 0: TensorFlow's default
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    _shared[0] = threads
-
-
-_shared = [0]  # the intra-op thread count simulate_replicas set (0: none)
 
 
 CommunicationSpec = Union[

@@ -20,8 +20,7 @@ def initialize(num_devices: int | None = None, device_type: str = "CPU") -> int:
     the CPU into that many logical devices (`keras_dist.simulate_replicas`),
     so a laptop or a CI runner can hold a mesh; on GPUs or TPUs leave it
     `None`. On a CPU it also gives TensorFlow at least two inter-op threads
-    per device (DTensor's CPU collectives block one each while they wait),
-    and each op the cores divided by the devices (as `simulate_replicas`).
+    per device (DTensor's CPU collectives block one each while they wait).
 
     Args:
         num_devices: Optional positive integer: logical CPU devices to create
