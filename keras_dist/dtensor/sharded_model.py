@@ -235,9 +235,7 @@ class ShardedModel(keras.Model):
             (x, y, sample_weight), kwargs["validation_data"] = _data.split_validation(
                 (x, y, sample_weight), kwargs["validation_split"])
         kwargs["validation_split"] = 0.0
-        drawn = tf.constant(float(np.random.randint(1, 2**31 - 1)), tf.float64)
-        seed = self._from_chief(drawn, dtensor.Layout.replicated(self._kd.dmesh, 0))
-        seed = int(dtensor.unpack(seed)[0].numpy())
+        seed = _collectives.agreed_seed(self.__keras_dist_process_group__())
         kwargs["shuffle"] = False  # the dataset is shuffled
         dataset = _data.array_dataset(tf.distribute.get_strategy(), x, y, sample_weight,
                                       batch_size or 32, True, seed)
@@ -275,9 +273,8 @@ class ShardedModel(keras.Model):
                 write()
             except BaseException as e:  # joins the others before raising
                 error = e
-        failed = self._from_chief(tf.constant(0.0 if error is None else 1.0),
-                                  dtensor.Layout.replicated(self._kd.dmesh, 0))
-        failed = float(dtensor.unpack(failed)[0].numpy())
+        [failed] = _collectives.agree_any(self.__keras_dist_process_group__(),
+                                          [error is not None])
         if error is not None:
             raise error
         if failed:
