@@ -701,8 +701,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         if self._context is None:
             # A plain keras.Model or a ShardedModel: an epoch boundary is a
-            # fresh pass; mid-epoch, the skip over a fresh pass is all.
-            if plan.step or plan.position.get("persistent"):
+            # fresh pass; mid-epoch, the skip over a fresh pass is all (exact
+            # for input in a fixed order, which a ShardedModel's fit tells).
+            fixed = getattr(self.model, "__keras_dist_fixed_order_input__", None)
+            if (plan.step or plan.position.get("persistent")) and not (fixed and fixed()):
                 self._warn_once("plain", self._untracked_input(plan))
             return
         if self._cursor.kind not in ("arrays", "dataset"):
@@ -742,8 +744,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             f"{plan.epoch + 1} resumes at step {plan.step} by skipping "
             "that many batches of a fresh pass over the input, which "
             "matches the interrupted run only for unshuffled input"
-            + (" (shuffle=False, or a tf.data pipeline in a fixed order)."
-               if sharded else
+            + (" (a tf.data pipeline in a fixed order; arrays resume exactly "
+               "with shuffle=False)." if sharded else
                ". Use keras_dist.distribute(model) for an exact resume.")
         )
 

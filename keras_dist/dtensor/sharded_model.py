@@ -150,6 +150,7 @@ class ShardedModel(keras.Model):
         self._compile_arguments = compile_config
         self._kd_steps = None
         self._kd_host_logs = {}
+        self._kd_fixed_order = False  # this fit's input: arrays, unshuffled
         self._copy_from(model)
         self.built = True
 
@@ -182,6 +183,7 @@ class ShardedModel(keras.Model):
                 f"fit(): argument `epochs` must be a positive integer. Received: epochs={epochs!r}"
             )
         _check_callbacks(callbacks)
+        self._kd_fixed_order = _is_arrays(x) and kwargs.get("shuffle", True) is False
         if dtensor.num_clients() > 1 and kwargs.get("shuffle", True) and _is_arrays(x):
             x, y, batch_size, kwargs = self._in_agreed_order(x, y, batch_size, kwargs)
         try:
@@ -193,6 +195,7 @@ class ShardedModel(keras.Model):
                 return super().fit(x, y, batch_size, epochs, self._verbose(verbose),
                                    self._callbacks(callbacks), **kwargs)
         finally:
+            self._kd_fixed_order = False
             self._refresh_mirror()
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
@@ -631,6 +634,12 @@ class ShardedModel(keras.Model):
         self._copy_from(host)
 
     # -- backups (keras_dist.callbacks.BackupAndRestore) --------------------
+
+    def __keras_dist_fixed_order_input__(self) -> bool:
+        """Whether the running fit's input passes in one fixed order (arrays
+        with `shuffle=False`): a resume that skips a fresh pass's first
+        batches is then exact."""
+        return self._kd_fixed_order
 
     def __keras_dist_backup_variables__(self) -> dict[str, list]:
         """Host variables holding the live training state, refreshed now
