@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -25,6 +27,7 @@ collect_ignore = [
     "dtensor/golden_main.py",
     "reliability/jobs.py",
     "_hidden",
+    "_budget",
 ]
 
 # The edit loop (`python -m pytest -m fast`, under 2 minutes on 2 cores):
@@ -54,6 +57,7 @@ HIDDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_hidden")
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist
         config.option.loadscopereorder = False
+    _cpu_budget_configure(config)
     # Not in pytest-xdist's controlling process: its workers run the tuner
     # tests that need scikit-learn.
     if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses",
@@ -63,6 +67,13 @@ def pytest_configure(config):
 
 
 def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-budget", action="store_true",
+        help="after the run, list the modules that took the most CPU time: in "
+        "pytest's own processes and in every Python process their tests started "
+        "(wall times under load mislead: a test measured 7.6 s alone took 31.9 s "
+        "in a full run)",
+    )
     parser.addoption(
         "--soak", action="store_true",
         help="run soak-sized tests at full size (the elastic job's 20 random "
@@ -97,9 +108,107 @@ def _rank(item) -> int:
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     items.sort(key=_rank)  # stable: each module's own order kept
     for item in items:
         if item.path.name in FAST_MODULES and item.get_closest_marker("multi_worker") is None:
             item.add_marker(pytest.mark.fast)
+
+
+# --cpu-budget: where the suite's CPU time goes, module by module. Every
+# Python process a test starts finds tests/_budget/sitecustomize.py first on
+# its path and logs its CPU time at exit, named by the test that started it;
+# pytest's own processes log each test's CPU time around it.
+BUDGET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_budget")
+CPU_LOG = "KERAS_DIST_TEST_CPU_LOG"
+
+
+def _cpu_budget_configure(config):
+    if not config.getoption("--cpu-budget"):
+        return
+    if not os.environ.get(CPU_LOG):  # the controlling process: workers inherit
+        import tempfile
+
+        handle, os.environ[CPU_LOG] = tempfile.mkstemp(prefix="cpu-budget-", suffix=".jsonl")
+        os.close(handle)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [BUDGET, os.environ.get("PYTHONPATH")]))
+    import atexit
+    import sys
+
+    hook = sys.modules.get("sitecustomize")
+    if getattr(hook, "__file__", "").startswith(BUDGET):
+        atexit.unregister(hook._record)  # pytest's own CPU is counted per test
+
+
+def _log_cpu(record: dict) -> None:
+    import json
+
+    with open(os.environ[CPU_LOG], "a") as log:
+        log.write(json.dumps(record) + "\n")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not os.environ.get(CPU_LOG):
+        yield
+        return
+    import resource
+
+    def cpu():
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    started = cpu()
+    yield
+    _log_cpu({"test": item.nodeid, "cpu": cpu() - started, "in_pytest": True})
+
+
+def pytest_sessionfinish(session):
+    """This pytest process's CPU time outside its tests (start-up, collection)."""
+    if not os.environ.get(CPU_LOG) or (
+            os.environ.get("PYTEST_XDIST_WORKER") is None
+            and getattr(session.config.option, "numprocesses", None)):
+        return  # xdist's controlling process: counted by its terminal summary
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    _log_cpu({"test": "", "cpu": usage.ru_utime + usage.ru_stime, "pytest_total": True})
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    path = os.environ.get(CPU_LOG)
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") or not os.path.exists(path):
+        return
+    import collections
+    import json
+
+    modules = collections.defaultdict(lambda: [0.0, 0.0, 0, 0])
+    pytest_total = 0.0
+    with open(path) as log:
+        for line in log:
+            record = json.loads(line)
+            if record.get("pytest_total"):
+                pytest_total += record["cpu"]
+                continue
+            module = record["test"].split("::")[0] or "(outside any test)"
+            row = modules[module]
+            if record.get("in_pytest"):
+                row[0] += record["cpu"]
+            else:
+                row[1] += record["cpu"]
+                row[2] += 1
+                row[3] += record["tensorflow"]
+    if pytest_total:  # pytest's own start-up and collection, in each process
+        modules["(pytest: start-up, collection)"][0] += pytest_total - sum(
+            r[0] for r in modules.values())
+    total = sum(r[0] + r[1] for r in modules.values())
+    write = terminalreporter.write_line
+    terminalreporter.section(f"CPU time by module: {total:.0f} s in all")
+    write("  total  in pytest  in processes started  processes (TensorFlow)  module")
+    for module, (inside, started, count, with_tf) in sorted(
+            modules.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))[:25]:
+        write(f"{inside + started:6.0f}s {inside:9.0f}s {started:21.0f}s "
+              f"{count:10d} ({with_tf:10d})  {module}")
+    write("(a process killed by a signal is not counted; --durations' wall times "
+          "include the waits for the CPU)")
+    os.remove(path)
