@@ -120,6 +120,7 @@ def pytest_collection_modifyitems(config, items):
 # pytest's own processes log each test's CPU time around it.
 BUDGET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_budget")
 CPU_LOG = "KERAS_DIST_TEST_CPU_LOG"
+_owns_cpu_log = []  # [path] in the process that made the log (it writes the table)
 
 
 def _cpu_budget_configure(config):
@@ -130,6 +131,7 @@ def _cpu_budget_configure(config):
 
         handle, os.environ[CPU_LOG] = tempfile.mkstemp(prefix="cpu-budget-", suffix=".jsonl")
         os.close(handle)
+        _owns_cpu_log.append(os.environ[CPU_LOG])
         os.environ["PYTHONPATH"] = os.pathsep.join(
             filter(None, [BUDGET, os.environ.get("PYTHONPATH")]))
     import atexit
@@ -176,9 +178,9 @@ def pytest_sessionfinish(session):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    path = os.environ.get(CPU_LOG)
-    if not path or os.environ.get("PYTEST_XDIST_WORKER") or not os.path.exists(path):
+    if not _owns_cpu_log or not os.path.exists(_owns_cpu_log[0]):
         return
+    path = _owns_cpu_log[0]
     import collections
     import json
 
