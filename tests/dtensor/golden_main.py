@@ -655,12 +655,16 @@ def resumed_mid_epoch(mesh, directory):
     except RuntimeError:
         crashed = True
     resumed = sharded_model()
-    history = resumed.fit(x, y, callbacks=[BackupAndRestore(directory, save_freq=3)],
-                          **arguments)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = resumed.fit(x, y, callbacks=[BackupAndRestore(directory, save_freq=3)],
+                              **arguments)
     results = {f"kd_backup_w{i}": w for i, w in enumerate(resumed.get_weights())}
     results.update({
         "kd_backup_crashed": np.array(crashed),
         "kd_backup_epochs": np.array(history.epoch),
+        "kd_backup_order_warnings": np.array(
+            [str(w.message) for w in caught if "order is not tracked" in str(w.message)]),
         "kd_backup_loss": np.array(history.history["loss"]),
         "kd_backup_expected_loss": np.array(expected["loss"]),
         "kd_backup_max_diff": np.array(max_diff(resumed.get_weights(),
