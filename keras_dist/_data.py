@@ -383,6 +383,43 @@ def fingerprint(x, y=None, sample_weight=None) -> dict | None:
     return None
 
 
+def shuffled_input(session, x, y, sample_weight, batch_size, shuffle, data_strategy=None):
+    """A fit's array input as a dataset shuffled with the agreed (or resumed)
+    seed, its passes counted on `session.cursor` (exact mid-epoch resume).
+
+    The seed is agreed between `session.strategy`'s workers (or a
+    `ProcessGroup`'s processes); the dataset is made for `data_strategy`
+    (default: `session.strategy`), which decides whether each worker keeps
+    its share of a batch. Returns `(x, y, sample_weight, dataset)`;
+    `dataset` is None (and the input unchanged) when Keras keeps the input.
+    """
+    cursor = session.cursor
+    if cursor.kind != "arrays":
+        return x, y, sample_weight, None
+    seed = order = None
+    if shuffle and shuffle != "batch":
+        # With TensorFlow's global seed set (on every worker), Keras'
+        # own order: one device's run is reproduced exactly.
+        global_seed = _collectives.agreed_global_seed(
+            session.strategy, _keras_compat.tensorflow_global_seed()
+        )
+        if global_seed is not None:
+            order = _keras_compat.keras_shuffle_order(num_samples(x))
+        else:
+            seed = session.resume.seed if session.resume is not None else None
+            seed = seed or _collectives.agreed_seed(session.strategy)
+    dataset = array_dataset(
+        data_strategy or session.strategy, x, y, sample_weight, batch_size, shuffle, seed,
+        order, cursor=cursor,
+    )
+    if dataset is None and shuffle:
+        cursor.kind = "other"  # Keras' own, unrecorded shuffle
+    cursor.seed = seed
+    if dataset is None:
+        return x, y, sample_weight, None
+    return dataset, None, None, dataset
+
+
 def split_validation(arrays, validation_split):
     """Keras' `validation_split` of `(x, y, sample_weight)` arrays: the last
     fraction of the samples. Returns `(train, validation)` tuples."""

@@ -60,6 +60,11 @@ class FitSession:
 
     - `model`, `strategy`, `callbacks` (the list given to `fit`),
       `custom_train_step` (the model overrides `train_step`).
+    - `mesh`: the `keras.distribution.DeviceMesh` of a sharded model (one
+      step over the whole mesh, no replicas, `keras_dist.dtensor`), else
+      None. `strategy` is then what its processes agree through: the
+      default strategy on one process, a `_collectives.ProcessGroup` on
+      several.
     - `resume` (`_resume.ResumePlan`): the backup this run resumes from,
       or None; written by the callback that restores (`BackupAndRestore`)
       during `setup_fit`, read by `fit` for the epoch it starts at (given
@@ -80,8 +85,10 @@ class FitSession:
         callbacks,
         *,
         custom_train_step: bool = False,
+        mesh=None,
     ) -> None:
         self.model = model
+        self.mesh = mesh
         self.custom_train_step = custom_train_step
         self.strategy = strategy
         self.callbacks = list(callbacks or [])

@@ -428,9 +428,14 @@ class DistributedModel(keras.Model):
         try:
             # Callbacks set up now: a backup to resume from gives the seed.
             session.set_up()
-            x, y, sample_weight, dataset = self._shuffled_input(
+            x, y, sample_weight, dataset = _data.shuffled_input(
                 session, x, y, sample_weight, batch_size, shuffle
             )
+            # In-memory validation data is batched as Keras batches it: by
+            # `validation_batch_size`, else fit's `batch_size` (also when the
+            # training arrays became a dataset; a loss summed per batch
+            # logs another number with another batch size).
+            validation_batch_size = validation_batch_size or batch_size
             if dataset is not None:
                 # Shuffled already, with a seed every worker agreed on.
                 batch_size, shuffle = None, False
@@ -439,7 +444,7 @@ class DistributedModel(keras.Model):
             # a damaged one gives way to the previous, of another epoch.
             if validation_data is not None:
                 validation_data = self._kd_eval_dataset(
-                    validation_data, validation_batch_size or batch_size or 32
+                    validation_data, validation_batch_size or 32
                 )
             session.dataset = x if isinstance(x, tf.data.Dataset) else None
             if cursor.kind == "dataset" and session.dataset is not None:
@@ -472,9 +477,7 @@ class DistributedModel(keras.Model):
                     initial_epoch=initial_epoch,
                     steps_per_epoch=steps_per_epoch,
                     validation_steps=validation_steps,
-                    validation_batch_size=(
-                        None if dataset is not None else validation_batch_size
-                    ),
+                    validation_batch_size=validation_batch_size,
                     validation_freq=validation_freq,
                 )
         finally:
@@ -503,38 +506,6 @@ class DistributedModel(keras.Model):
         session.num_samples = num_samples if session.cursor.kind == "arrays" else None
         session.steps_per_epoch = steps_per_epoch
         return session
-
-    def _shuffled_input(self, session, x, y, sample_weight, batch_size, shuffle):
-        """Array input as a dataset shuffled with the agreed (or resumed) seed.
-
-        Returns `(x, y, sample_weight, dataset)`; `dataset` is None (and the
-        input unchanged) when keras_dist leaves the input to Keras.
-        """
-        cursor = session.cursor
-        if cursor.kind != "arrays":
-            return x, y, sample_weight, None
-        seed = order = None
-        if shuffle and shuffle != "batch":
-            # With TensorFlow's global seed set (on every worker), Keras'
-            # own order: one device's run is reproduced exactly.
-            global_seed = _collectives.agreed_global_seed(
-                session.strategy, _keras_compat.tensorflow_global_seed()
-            )
-            if global_seed is not None:
-                order = _keras_compat.keras_shuffle_order(_data.num_samples(x))
-            else:
-                seed = session.resume.seed if session.resume is not None else None
-                seed = seed or _collectives.agreed_seed(session.strategy)
-        dataset = _data.array_dataset(
-            session.strategy, x, y, sample_weight, batch_size, shuffle, seed, order,
-            cursor=cursor,
-        )
-        if dataset is None and shuffle:
-            cursor.kind = "other"  # Keras' own, unrecorded shuffle
-        cursor.seed = seed
-        if dataset is None:
-            return x, y, sample_weight, None
-        return dataset, None, None, dataset
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):

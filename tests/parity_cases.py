@@ -458,6 +458,32 @@ def _seeded_shuffle():
     return build, train
 
 
+@case("shuffled_validation", "shuffled arrays with `validation_data`, a loss summed per batch")
+def _shuffled_validation():
+    build = functional_mlp
+
+    def train(model):
+        # A summed loss logs per-batch sums averaged over the batches: the
+        # validation number depends on how the validation data is batched
+        # (fit's batch_size, or validation_batch_size).
+        keras.utils.set_random_seed(99)
+        model.compile(keras.optimizers.SGD(0.002),
+                      keras.losses.MeanSquaredError(reduction="sum"), metrics=["mae"])
+        x, y = data()
+        h = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
+                      validation_data=(x[:40], y[:40]))
+        out = history(h)
+        h = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, validation_split=0.3)
+        out.update({f"second/{k}": v for k, v in history(h).items()})
+        h = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+                      validation_data=(x[:40], y[:40]), validation_batch_size=24)
+        out.update({f"third/{k}": v for k, v in history(h).items()})
+        out["evaluate"] = np.asarray(model.evaluate(x, y, batch_size=BATCH, verbose=0))
+        return out
+
+    return build, train
+
+
 @case("py_dataset", "`keras.utils.PyDataset` input")
 def _py_dataset():
     build = functional_mlp

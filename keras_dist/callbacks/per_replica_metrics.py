@@ -390,6 +390,18 @@ class PerReplicaMetrics(keras.callbacks.Callback):
     def setup_fit(self, session) -> None:
         """Puts the in-graph monitor around this fit's train step."""
         session.claim("per_replica_metrics", self)
+        if session.mesh is not None:
+            raise ValueError(
+                "Invalid callback in argument `callbacks`: PerReplicaMetrics "
+                "measures the replicas of a tf.distribute strategy, each running "
+                "its own copy of the step (its own metrics, its wait for the "
+                f"others); a {type(session.model).__name__} runs one step over the "
+                "whole mesh, its devices in lockstep inside every collective, and "
+                "computes its metrics once, from the gathered predictions: there "
+                "is no replica to time or compare. Received: callbacks=[..., "
+                "PerReplicaMetrics(...), ...]. Remove it (per-replica numbers "
+                "need a DistributedModel)."
+            )
         if self.gradient_norm and session.custom_train_step:
             raise ValueError(
                 "PerReplicaMetrics(gradient_norm=True) needs the built-in "
