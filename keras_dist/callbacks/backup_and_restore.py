@@ -627,7 +627,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._cursor = context.cursor if context is not None else (
             _data.DataCursor("unknown", persistent=False)
         )
-        # A DistributedModel's fit chose the backup just before (it needs
+        # A DistributedModel's or ShardedModel's fit chose the backup just before (it needs
         # the shuffle seed first); any other fit chooses now, from the disk.
         state = self._select(
             _collectives.group_of(self.model), fresh=context is None
@@ -700,11 +700,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         if target is None:
             return
         if self._context is None:
-            # A plain keras.Model or a ShardedModel: an epoch boundary is a
-            # fresh pass; mid-epoch, the skip over a fresh pass is all (exact
-            # for input in a fixed order, which a ShardedModel's fit tells).
-            fixed = getattr(self.model, "__keras_dist_fixed_order_input__", None)
-            if (plan.step or plan.position.get("persistent")) and not (fixed and fixed()):
+            # A plain keras.Model: an epoch boundary is a fresh pass;
+            # mid-epoch, the skip over a fresh pass is all.
+            if plan.step or plan.position.get("persistent"):
                 self._warn_once("plain", self._untracked_input(plan))
             return
         if self._cursor.kind not in ("arrays", "dataset"):
@@ -735,18 +733,14 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"{target}); the resumed epoch may see a different order.",
             )
 
-    def _untracked_input(self, plan: _resume.ResumePlan) -> str:
-        sharded = hasattr(self.model, "__keras_dist_backup_variables__")
+    @staticmethod
+    def _untracked_input(plan: _resume.ResumePlan) -> str:
         return (
-            "BackupAndRestore: with a "
-            + ("ShardedModel" if sharded else "plain keras.Model")
-            + " the input's order is not tracked; epoch "
-            f"{plan.epoch + 1} resumes at step {plan.step} by skipping "
-            "that many batches of a fresh pass over the input, which "
-            "matches the interrupted run only for unshuffled input"
-            + (" (a tf.data pipeline in a fixed order; arrays resume exactly "
-               "with shuffle=False)." if sharded else
-               ". Use keras_dist.distribute(model) for an exact resume.")
+            "BackupAndRestore: with a plain keras.Model the input's order is "
+            f"not tracked; epoch {plan.epoch + 1} resumes at step {plan.step} by "
+            "skipping that many batches of a fresh pass over the input, which "
+            "matches the interrupted run only for unshuffled input. Use "
+            "keras_dist.distribute(model) for an exact resume."
         )
 
     def on_train_batch_begin(self, batch, logs=None):

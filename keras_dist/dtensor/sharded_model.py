@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from keras_dist import _collectives, _data, _keras_compat, _liveness
+from keras_dist import _collectives, _data, _fit_session, _keras_compat, _liveness
 from keras_dist.dtensor.fully_sharded import FullySharded
 from keras_dist.dtensor.layout_mapper import LayoutMapper, convolution_variables
 
@@ -150,7 +150,8 @@ class ShardedModel(keras.Model):
         self._compile_arguments = compile_config
         self._kd_steps = None
         self._kd_host_logs = {}
-        self._kd_fixed_order = False  # this fit's input: arrays, unshuffled
+        self._kd_session = None  # the running fit's (keras_dist/_fit_session.py)
+        self._kd_step_key = None
         self._copy_from(model)
         self.built = True
 
@@ -170,11 +171,15 @@ class ShardedModel(keras.Model):
         return self.mirror(inputs, training=training)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
-            callbacks=None, **kwargs):
+            callbacks=None, shuffle=True, sample_weight=None, **kwargs):
         """`keras.Model.fit`; each step runs on the shards.
 
         Every batch must split over the mesh's `"batch"` axis: checked for
-        arrays and fixed-size datasets before any step.
+        arrays and fixed-size datasets before any step. One fit path with
+        `DistributedModel` (keras_dist/_fit_session.py): callbacks set up
+        through the fit session, shuffled arrays ordered by a seed every
+        process agrees on (Keras' order with TensorFlow's global seed set),
+        each pass counted, so a backup resumes mid-epoch exactly.
         """
         self._check_data("fit", x, y, batch_size, needs_y=True,
                          validation_split=kwargs.get("validation_split", 0.0))
@@ -182,20 +187,57 @@ class ShardedModel(keras.Model):
             raise ValueError(
                 f"fit(): argument `epochs` must be a positive integer. Received: epochs={epochs!r}"
             )
-        _check_callbacks(callbacks)
-        self._kd_fixed_order = _is_arrays(x) and kwargs.get("shuffle", True) is False
-        if dtensor.num_clients() > 1 and kwargs.get("shuffle", True) and _is_arrays(x):
-            x, y, batch_size, kwargs = self._in_agreed_order(x, y, batch_size, kwargs)
+        group = _collectives.group_of(self)
+        arrays = _data.is_array_structure(x)
+        if shuffle == "batch" and arrays and _collectives.is_multi_worker(group):
+            raise ValueError(
+                'fit(): shuffle="batch" is not supported on a mesh that spans '
+                'several processes. Received: shuffle="batch". Use shuffle=True.'
+            )
+        if arrays:
+            batch_size = batch_size or 32  # Keras' default
+            if kwargs.get("validation_split") and kwargs.get("validation_data") is None:
+                # Taken off first, as Keras takes it (the last samples, unshuffled).
+                (x, y, sample_weight), kwargs["validation_data"] = _data.split_validation(
+                    (x, y, sample_weight), kwargs["validation_split"])
+                kwargs["validation_split"] = 0.0
+        session = _fit_session.FitSession(self, group, callbacks, mesh=self.mesh)
+        steps_per_epoch = kwargs.get("steps_per_epoch")
+        session.batch_size = batch_size or _data.static_batch_size(x)
+        session.cursor = cursor = _data.DataCursor(
+            _data.input_kind(x), persistent=steps_per_epoch is not None)
+        session.num_samples = _data.num_samples(x) if cursor.kind == "arrays" else None
+        session.steps_per_epoch = steps_per_epoch
+        session.training_data = (x, y, sample_weight)
+        self._kd_session = session
         try:
+            session.set_up()  # a backup to resume from gives the seed
+            # Every process feeds the whole batch (each device takes its
+            # part): the dataset is made for no strategy.
+            x, y, sample_weight, dataset = _data.shuffled_input(
+                session, x, y, sample_weight, batch_size, shuffle, tf.distribute.get_strategy())
+            kwargs["validation_batch_size"] = kwargs.get("validation_batch_size") or batch_size
+            if dataset is not None:
+                batch_size, shuffle = None, False
+            session.dataset = x if isinstance(x, tf.data.Dataset) else None
+            if cursor.kind == "dataset" and session.dataset is not None:
+                cursor.undistributed = session.dataset
+                cursor.reorders = _keras_compat.reorders_each_pass(session.dataset)
             # Each epoch's iterator torn down off the training thread (after
-            # sharded steps a teardown blocked for 100-200 ms), each created
-            # when Keras creates it (a seeded reshuffle orders each pass by
-            # how many were created before: as in plain Keras).
-            with _keras_compat.lean_epoch_iterators(background_release=True, lazy=False):
+            # sharded steps a teardown blocked for 100-200 ms); each of the
+            # user's created when Keras creates it (a seeded reshuffle orders
+            # each pass by how many were created before: as in plain Keras).
+            with _keras_compat.lean_epoch_iterators(
+                cursor if cursor.kind in ("arrays", "dataset") else None,
+                background_release=True, lazy=None if dataset is not None else False,
+                own_input=dataset is not None,
+            ):
                 return super().fit(x, y, batch_size, epochs, self._verbose(verbose),
-                                   self._callbacks(callbacks), **kwargs)
+                                   self._callbacks(callbacks), shuffle=shuffle,
+                                   sample_weight=sample_weight, **kwargs)
         finally:
-            self._kd_fixed_order = False
+            self._kd_session = None
+            session.tear_down()
             self._refresh_mirror()
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
@@ -216,33 +258,6 @@ class ShardedModel(keras.Model):
                                self._callbacks(callbacks))
 
     # -- one job of several processes (a mesh over them) ---------------------
-
-    def _in_agreed_order(self, x, y, batch_size, kwargs):
-        """Shuffled array input on a mesh over several processes: every
-        process must feed the same batches (each device takes its part),
-        and Keras would shuffle each process's arrays its own way. So the
-        arrays become a dataset shuffled with a seed process 0 draws from
-        NumPy's global generator (`keras.utils.set_random_seed` makes it
-        reproducible) and every process takes (one all-reduce), reshuffled
-        each epoch: as a multi-worker `DistributedModel` shuffles.
-        `validation_split` is taken off first, as Keras takes it (the
-        last samples, unshuffled)."""
-        kwargs = dict(kwargs)
-        if kwargs.get("shuffle", True) == "batch":
-            raise ValueError(
-                'fit(): shuffle="batch" is not supported on a mesh that spans '
-                'several processes. Received: shuffle="batch". Use shuffle=True.'
-            )
-        sample_weight = kwargs.pop("sample_weight", None)
-        if kwargs.get("validation_split") and kwargs.get("validation_data") is None:
-            (x, y, sample_weight), kwargs["validation_data"] = _data.split_validation(
-                (x, y, sample_weight), kwargs["validation_split"])
-        kwargs["validation_split"] = 0.0
-        seed = _collectives.agreed_seed(self.__keras_dist_process_group__())
-        kwargs["shuffle"] = False  # the dataset is shuffled
-        dataset = _data.array_dataset(tf.distribute.get_strategy(), x, y, sample_weight,
-                                      batch_size or 32, True, seed)
-        return dataset, None, None, kwargs
 
     @staticmethod
     def _verbose(verbose):
@@ -287,12 +302,23 @@ class ShardedModel(keras.Model):
             )
 
     def make_train_function(self, force=False):
+        # Composed as a DistributedModel's (keras_dist/_fit_session.py): the
+        # step, wrapped by the fit session's step wrappers; rebuilt when
+        # that composition changes.
+        session = self._kd_session
+        key = None if session is None else session.step_key()
         if self.train_function is None or force:
             # Traced again: what the steps captured (the optimizer's learning
             # rate, which a LearningRateScaler replaces) may have changed.
             self._kd_steps = None
             self._kd_host_logs = {}  # traced again: compile may have new metrics
-            self.train_function = self._per_execution(self._train_batch)
+        elif key == self._kd_step_key:
+            return self.train_function
+        step, before_input = (
+            (self._train_batch, None) if session is None else session.compose(self._train_batch)
+        )
+        self._kd_step_key = key
+        self.train_function = self._per_execution(step, before_input)
         return self.train_function
 
     def make_test_function(self, force=False):
@@ -484,12 +510,15 @@ class ShardedModel(keras.Model):
         """This process's copy of replicated step outputs (no host copy)."""
         return tf.nest.map_structure(lambda v: dtensor.unpack(v)[0], structure)
 
-    def _per_execution(self, run_batch):
-        """A Keras train/test function: `steps_per_execution` batches per call."""
+    def _per_execution(self, run_batch, before_input=None):
+        """A Keras train/test function: `steps_per_execution` batches per
+        call; `before_input()` (a step wrapper's hook) before each read."""
 
         def function(iterator):
             logs = None
             for _ in range(self.steps_per_execution):
+                if before_input is not None:
+                    before_input()
                 try:
                     data = next(iterator)
                 except (StopIteration, tf.errors.OutOfRangeError):
@@ -634,12 +663,6 @@ class ShardedModel(keras.Model):
         self._copy_from(host)
 
     # -- backups (keras_dist.callbacks.BackupAndRestore) --------------------
-
-    def __keras_dist_fixed_order_input__(self) -> bool:
-        """Whether the running fit's input passes in one fixed order (arrays
-        with `shuffle=False`): a resume that skips a fresh pass's first
-        batches is then exact."""
-        return self._kd_fixed_order
 
     def __keras_dist_backup_variables__(self) -> dict[str, list]:
         """Host variables holding the live training state, refreshed now
@@ -833,25 +856,6 @@ def _is_arrays(x) -> bool:
         isinstance(leaf, (np.ndarray, tf.Tensor)) or hasattr(leaf, "__array__")
         for leaf in leaves
     )
-
-
-def _check_callbacks(callbacks) -> None:
-    """keras_dist's callbacks a ShardedModel cannot run: refused before any step."""
-    from keras_dist.callbacks import PerReplicaMetrics
-
-    for callback in callbacks or []:
-        if isinstance(callback, PerReplicaMetrics):
-            raise ValueError(
-                "Invalid callback in argument `callbacks`: PerReplicaMetrics "
-                "measures the replicas of a tf.distribute strategy, each running "
-                "its own copy of the step (its own metrics, its wait for the "
-                "others); a ShardedModel runs one step over the whole mesh, its "
-                "devices in lockstep inside every collective, and computes its "
-                "metrics once, from the gathered predictions: there is no "
-                "replica to time or compare. Received: callbacks=[..., "
-                "PerReplicaMetrics(...), ...]. Remove it (per-replica numbers "
-                "need a DistributedModel)."
-            )
 
 
 def load_model(

@@ -358,6 +358,34 @@ def callbacks(mesh, directory):
     row["checkpoint_files"] = sorted(os.listdir(directory))
     row["checkpoint_diff"] = max_diff(saved.get_weights(), sharded.get_weights())
 
+    # The fit session's contract (keras_dist/_fit_session.py), kept as a
+    # DistributedModel's fit keeps it: a callback's `setup_fit` sees the
+    # mesh, its step wrapper runs around every step of that fit only, its
+    # clean-up runs when the fit ends.
+    class StepCounter(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.calls, self.mesh, self.torn_down = 0, None, False
+
+        def setup_fit(self, session):
+            self.mesh = dict(zip(session.mesh.axis_names, session.mesh.shape))
+
+            def wrap(step):
+                def counted(data):
+                    self.calls += 1
+                    return step(data)
+                return counted
+
+            session.wrap_train_step(self, wrap)
+            session.add_teardown(lambda: setattr(self, "torn_down", True))
+
+    counter = StepCounter()
+    sharded.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[counter])
+    during = counter.calls
+    sharded.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    row["session"] = {"mesh": counter.mesh, "calls": during, "after": counter.calls,
+                      "torn_down": counter.torn_down}
+
     # steps_per_execution=3 and class_weight, as Keras' fit takes them.
     def classifier_of(steps_per_execution):
         model = classifier()
@@ -445,8 +473,9 @@ def resume_copies(mesh, directory, timeout=1500):
 
 def backup_killed(mesh, backup, ours=False):
     """Trains with a BackupAndRestore and is SIGKILLed: Keras' after epoch 2
-    of 4 (batch size 8); keras_dist's (`ours`, a backup after every batch)
-    in the middle of epoch 2, after its batch 2 of 4 (batch size 4)."""
+    of 4 (batch size 8, Adam, unshuffled); keras_dist's (`ours`, a backup
+    after every batch; SGD momentum, Keras' default shuffle) in the middle
+    of epoch 2, after its batch 2 of 8 (batch size 4)."""
     import signal
 
     from keras_dist.callbacks import BackupAndRestore
@@ -468,11 +497,16 @@ def backup_killed(mesh, backup, ours=False):
                 os.kill(os.getpid(), signal.SIGKILL)
 
     x, y = data("conv")
-    sharded = kd.shard(build("conv", OPTIMIZERS["adam"]()), mesh,
+    sharded = kd.shard(build("conv", OPTIMIZERS["momentum" if ours else "adam"]()), mesh,
                        kd.LayoutMapper(mesh, min_elements=0))
     backup = BackupAndRestore(backup, save_freq=1) if ours else (
         keras.callbacks.BackupAndRestore(backup))
-    sharded.fit(x, y, batch_size=4 if ours else 8, epochs=4, shuffle=False, verbose=0,
+    if ours:
+        # Keras' default shuffle=True with no TensorFlow seed: keras_dist's
+        # own order, a new one each epoch, its seed drawn from NumPy's
+        # generator (seeded by `build`) and kept in every backup.
+        tf.random.set_seed(None)
+    sharded.fit(x, y, batch_size=4 if ours else 8, epochs=4, shuffle=ours, verbose=0,
                 callbacks=[backup, Kill()])
 
 
@@ -484,15 +518,24 @@ def resume_from(mesh, backup, ours=False) -> dict:
 
     x, y = data("conv")
     batch_size = 4 if ours else 8
-    reference = build("conv", OPTIMIZERS["adam"]())
-    reference.fit(x, y, batch_size=batch_size, epochs=4, shuffle=False, verbose=0)
-    resumed = kd.shard(build("conv", OPTIMIZERS["adam"]()), mesh,
+    optimizer = OPTIMIZERS["momentum" if ours else "adam"]
+    reference = build("conv", optimizer())
+    if ours:
+        # The killed run's order (shuffled, a new order each epoch, the same
+        # seed drawn) on one device, uninterrupted.
+        tf.random.set_seed(None)
+        reference = keras_dist.distribute(reference, tf.distribute.OneDeviceStrategy("/cpu:0"))
+    reference.fit(x, y, batch_size=batch_size, epochs=4, shuffle=ours, verbose=0)
+    resumed = kd.shard(build("conv", optimizer()), mesh,
                        kd.LayoutMapper(mesh, min_elements=0))
     backup = BackupAndRestore(backup, save_freq=1) if ours else (
         keras.callbacks.BackupAndRestore(backup))
+    if ours:
+        tf.random.set_seed(None)  # as the killed run (`build` set it)
+        np.random.seed(5)  # another seed: the backup's is the one resumed with
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        history = resumed.fit(x, y, batch_size=batch_size, epochs=4, shuffle=False,
+        history = resumed.fit(x, y, batch_size=batch_size, epochs=4, shuffle=ours,
                               verbose=0, callbacks=[backup])
     # The optimizer's step count: restored, then one per batch trained.
     return {"epochs": len(history.history["loss"]),
@@ -584,11 +627,9 @@ def shuffled(mesh):
     """Keras' default `shuffle=True` on arrays, unseeded processes: the
     order process 0 draws (NumPy's global generator), reshuffled each
     epoch, fed by both. Process 0 draws the same seed again from the state
-    it had and trains one device in that order (keras_dist's array
-    dataset, the same seed); process 1 cannot know it."""
+    it had and trains one device in that order (a one-device
+    `DistributedModel`, the same seed); process 1 cannot know it."""
     from tensorflow.experimental import dtensor
-
-    from keras_dist import _data
 
     x, y = data("conv")
     model = build("conv", OPTIMIZERS["momentum"](), seeded=False)
@@ -600,19 +641,18 @@ def shuffled(mesh):
     results = {f"shuffled_w{i}": w for i, w in enumerate(sharded.get_weights())}
     results["shuffled_history"] = np.array([history["loss"], history["val_loss"]])
     if dtensor.client_id() == 0:
-        np.random.set_state(state)
-        seed = np.random.randint(1, 2**31 - 1)
-        (tx, ty, _), validation = _data.split_validation((x, y, None), 0.25)
-        orders = {"shuffled": _data.array_dataset(tf.distribute.get_strategy(), tx, ty, None,
-                                                  8, True, seed),
-                  "unshuffled": None}
-        for name, dataset in orders.items():
+        # One device in that order: keras_dist's own shuffle from the same
+        # draw (NumPy's generator as it was), each pass ordered by its
+        # number; and unshuffled, which must differ.
+        for name in ("shuffled", "unshuffled"):
             reference = build("conv", OPTIMIZERS["momentum"](), seeded=False)
             reference.set_weights(initial)
-            fitted = (reference.fit(dataset, epochs=3, verbose=0, validation_data=validation)
-                      if dataset is not None else
-                      reference.fit(tx, ty, batch_size=8, epochs=3, shuffle=False, verbose=0,
-                                    validation_data=validation))
+            if name == "shuffled":
+                reference = keras_dist.distribute(
+                    reference, tf.distribute.OneDeviceStrategy("/cpu:0"))
+                np.random.set_state(state)
+            fitted = reference.fit(x, y, batch_size=8, epochs=3, validation_split=0.25,
+                                   shuffle=name == "shuffled", verbose=0)
             results[f"shuffled_{name}_max_diff"] = np.array(
                 max_diff(sharded.get_weights(), reference.get_weights()))
             results[f"shuffled_{name}_history"] = np.array(

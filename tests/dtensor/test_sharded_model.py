@@ -259,6 +259,10 @@ def test_a_sharded_model_is_a_keras_model_with_keras_callbacks(runs):
     assert row["early_stopping_diff"] < 1e-5, row
     assert row["checkpoint_files"] == ["epoch1.keras", "epoch2.keras"]
     assert row["checkpoint_diff"] == 0.0
+    # A callback's setup_fit and step wrapper (the fit session), as on a
+    # DistributedModel: 4 steps (32 samples, batch 8) in its fit, none after.
+    assert row["session"] == {"mesh": {"batch": 2, "model": 2}, "calls": 4, "after": 4,
+                              "torn_down": True}, row["session"]
     # steps_per_execution=3 with class weights = one device, one step a call.
     assert row["class_weight_logs_diff"] < 1e-5, row
     assert row["class_weight_diff"] < 1e-5, row
@@ -279,18 +283,20 @@ def test_a_sharded_model_is_a_keras_model_with_keras_callbacks(runs):
     assert scaler["diff"] < 1e-5, scaler
     np.testing.assert_allclose(scaler["learning_rates"], [0.02, 0.02], rtol=1e-6)
     assert abs(scaler["after_fit"] - 0.01) < 1e-9, scaler
-    # keras_dist's BackupAndRestore, a backup after every batch: SIGKILLed
-    # in the middle of epoch 2 (after 8 + 2 of 32 batches), resumed there on
-    # the same mesh and on model=4: epochs 2-4 only, 32 optimizer steps in
-    # all, the weights of 4 uninterrupted epochs on one device (Adam).
+    # keras_dist's BackupAndRestore, a backup after every batch, on Keras'
+    # default shuffle=True with no TensorFlow seed (keras_dist's own order,
+    # a new one each epoch): SIGKILLed in the middle of epoch 2, resumed
+    # there on the same mesh and on model=4: epochs 2-4 only, 32 optimizer
+    # steps in all, the weights of 4 uninterrupted epochs on one device in
+    # the killed run's order (SGD momentum).
     for key in ("ours", "ours_other_mesh"):
         resumed = row[key]
         assert isinstance(resumed, dict), resumed
         assert resumed["killed_returncode"] == -9, resumed
         assert resumed["epochs"] == 3 and resumed["iterations"] == 32, resumed
         assert resumed["diff"] < 1e-5, resumed
-        # Unshuffled arrays: skipping a fresh pass's first batches is exact,
-        # and the mesh's fit says so (no warning about the input's order).
+        # The fit session counts the passes and the backup holds the seed:
+        # no warning about the input's order.
         assert resumed["order_warnings"] == [], resumed
     assert row["ours_other_mesh"]["bytes"]["variables"] < (
         row["ours_other_mesh"]["bytes"]["replicated_variables"] / 2)
