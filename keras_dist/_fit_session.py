@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from keras_dist import _data
+from keras_dist import _data, _keras_compat
 from keras_dist._resume import ResumePlan
 
 SETUP_HOOK = "setup_fit"
@@ -148,7 +148,32 @@ class FitSession:
         """Runs `function` when the fit returns or raises (last added, first run)."""
         self._teardowns.append(function)
 
-    # -- for DistributedModel.fit --------------------------------------------
+    # -- for DistributedModel.fit and ShardedModel.fit -------------------------
+
+    def describe_input(self, x, batch_size, steps_per_epoch, training_data) -> None:
+        """What the training input tells before any callback runs: the batch
+        size, the number of samples (arrays), the cursor's kind, and
+        `training_data` (`(x, y, sample_weight)` for `data_fingerprint`)."""
+        self.batch_size = batch_size or _data.static_batch_size(x)
+        self.cursor = _data.DataCursor(_data.input_kind(x),
+                                       persistent=steps_per_epoch is not None)
+        self.num_samples = _data.num_samples(x) if self.cursor.kind == "arrays" else None
+        self.steps_per_epoch = steps_per_epoch
+        self.training_data = training_data
+
+    def track_input(self, x):
+        """`x` is what Keras' loop reads: the session's `dataset`. Returns
+        the cursor that counts the iterators made on it, or None for input
+        that cannot be positioned (a generator, a `PyDataset`)."""
+        self.dataset = x if isinstance(x, tf.data.Dataset) else None
+        cursor = self.cursor
+        if cursor.kind == "dataset" and self.dataset is not None:
+            # A pass's draw is replayed on the dataset itself (cheap), when
+            # its order depends on the pass at all.
+            cursor.undistributed = self.dataset
+            cursor.reorders = _keras_compat.reorders_each_pass(self.dataset)
+        return cursor if cursor.kind in ("arrays", "dataset") else None
+
 
     def set_up(self) -> None:
         """Calls `setup_fit(self)` on every callback that defines it, in order."""

@@ -422,9 +422,8 @@ class DistributedModel(keras.Model):
                 (x, y, sample_weight), validation_split
             )
             validation_split = 0.0
-        session = self._new_session(callbacks, x, batch_size, steps_per_epoch)
-        session.training_data = (x, y, sample_weight)
-        cursor = session.cursor
+        session = self._new_session(callbacks, x, batch_size, steps_per_epoch,
+                                    (x, y, sample_weight))
         try:
             # Callbacks set up now: a backup to resume from gives the seed.
             session.set_up()
@@ -446,19 +445,12 @@ class DistributedModel(keras.Model):
                 validation_data = self._kd_eval_dataset(
                     validation_data, validation_batch_size or 32
                 )
-            session.dataset = x if isinstance(x, tf.data.Dataset) else None
-            if cursor.kind == "dataset" and session.dataset is not None:
-                # A pass's draw is replayed on the dataset itself (cheap),
-                # when its order depends on the pass at all.
-                cursor.undistributed = session.dataset
-                cursor.reorders = _keras_compat.reorders_each_pass(session.dataset)
+            counted = session.track_input(x)
             self._kd_session = session
             # keras_dist's own array input gives every worker the same
             # number of batches; split evenly, they need no per-step check
             # for data left on other workers.
             full_batches = dataset is not None and session.even_batches
-            # Generators and PyDatasets cannot be positioned: nothing to count.
-            counted = cursor if cursor.kind in ("arrays", "dataset") else None
             with _scope(strategy), _keras_compat.lean_epoch_iterators(
                 counted, full_batches=full_batches, own_input=dataset is not None
             ):
@@ -484,7 +476,7 @@ class DistributedModel(keras.Model):
             self._kd_session = None
             session.tear_down()
 
-    def _new_session(self, callbacks, x, batch_size, steps_per_epoch):
+    def _new_session(self, callbacks, x, batch_size, steps_per_epoch, training_data):
         """The fit session, with what the input tells before any callback runs."""
         strategy = self._kd_strategy
         session = _fit_session.FitSession(
@@ -493,18 +485,11 @@ class DistributedModel(keras.Model):
             callbacks,
             custom_train_step=type(self).train_step is not DistributedModel.train_step,
         )
-        session.batch_size = batch_size or _data.static_batch_size(x)
-        num_samples = (
-            _data.num_samples(x) if _data.is_array_structure(x) else None
-        )
+        session.describe_input(x, batch_size, steps_per_epoch, training_data)
         session.even_batches = _data.batches_split_evenly(
-            strategy.num_replicas_in_sync, session.batch_size, num_samples
+            strategy.num_replicas_in_sync, session.batch_size,
+            _data.num_samples(x) if _data.is_array_structure(x) else None,
         )
-        session.cursor = _data.DataCursor(
-            _data.input_kind(x), persistent=steps_per_epoch is not None
-        )
-        session.num_samples = num_samples if session.cursor.kind == "arrays" else None
-        session.steps_per_epoch = steps_per_epoch
         return session
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,

@@ -188,27 +188,16 @@ class ShardedModel(keras.Model):
                 f"fit(): argument `epochs` must be a positive integer. Received: epochs={epochs!r}"
             )
         group = _collectives.group_of(self)
-        arrays = _data.is_array_structure(x)
-        if shuffle == "batch" and arrays and _collectives.is_multi_worker(group):
+        if shuffle == "batch" and _is_arrays(x) and _collectives.is_multi_worker(group):
             raise ValueError(
                 'fit(): shuffle="batch" is not supported on a mesh that spans '
                 'several processes. Received: shuffle="batch". Use shuffle=True.'
             )
-        if arrays:
-            batch_size = batch_size or 32  # Keras' default
-            if kwargs.get("validation_split") and kwargs.get("validation_data") is None:
-                # Taken off first, as Keras takes it (the last samples, unshuffled).
-                (x, y, sample_weight), kwargs["validation_data"] = _data.split_validation(
-                    (x, y, sample_weight), kwargs["validation_split"])
-                kwargs["validation_split"] = 0.0
+        x, y, sample_weight, batch_size, kwargs = _arrays_for_fit(
+            x, y, sample_weight, batch_size, kwargs)
         session = _fit_session.FitSession(self, group, callbacks, mesh=self.mesh)
-        steps_per_epoch = kwargs.get("steps_per_epoch")
-        session.batch_size = batch_size or _data.static_batch_size(x)
-        session.cursor = cursor = _data.DataCursor(
-            _data.input_kind(x), persistent=steps_per_epoch is not None)
-        session.num_samples = _data.num_samples(x) if cursor.kind == "arrays" else None
-        session.steps_per_epoch = steps_per_epoch
-        session.training_data = (x, y, sample_weight)
+        session.describe_input(x, batch_size, kwargs.get("steps_per_epoch"),
+                               (x, y, sample_weight))
         self._kd_session = session
         try:
             session.set_up()  # a backup to resume from gives the seed
@@ -219,16 +208,12 @@ class ShardedModel(keras.Model):
             kwargs["validation_batch_size"] = kwargs.get("validation_batch_size") or batch_size
             if dataset is not None:
                 batch_size, shuffle = None, False
-            session.dataset = x if isinstance(x, tf.data.Dataset) else None
-            if cursor.kind == "dataset" and session.dataset is not None:
-                cursor.undistributed = session.dataset
-                cursor.reorders = _keras_compat.reorders_each_pass(session.dataset)
             # Each epoch's iterator torn down off the training thread (after
             # sharded steps a teardown blocked for 100-200 ms); each of the
             # user's created when Keras creates it (a seeded reshuffle orders
             # each pass by how many were created before: as in plain Keras).
             with _keras_compat.lean_epoch_iterators(
-                cursor if cursor.kind in ("arrays", "dataset") else None,
+                session.track_input(x),
                 background_release=True, lazy=None if dataset is not None else False,
                 own_input=dataset is not None,
             ):
@@ -848,6 +833,25 @@ def _make_steps(model, layouts, dmesh, split_batch: bool, gathered=frozenset()) 
         return whole(y_pred), whole(logits)
 
     return _Steps(train, predict, forms)
+
+
+def _arrays_for_fit(x, y, sample_weight, batch_size, kwargs):
+    """Array input with Keras' defaults made explicit: NumPy arrays (array-
+    likes such as pandas frames converted, so keras_dist orders them on
+    every process alike), batch_size 32, and `validation_split` taken off
+    as Keras takes it (the last samples, unshuffled), before any shuffle.
+    Other input is returned unchanged."""
+    if not _is_arrays(x):
+        return x, y, sample_weight, batch_size, kwargs
+    x, y, sample_weight = tf.nest.map_structure(
+        lambda leaf: leaf if isinstance(leaf, (np.ndarray, tf.Tensor)) or leaf is None
+        else np.asarray(leaf), (x, y, sample_weight))
+    kwargs = dict(kwargs)
+    if kwargs.get("validation_split") and kwargs.get("validation_data") is None:
+        (x, y, sample_weight), kwargs["validation_data"] = _data.split_validation(
+            (x, y, sample_weight), kwargs["validation_split"])
+        kwargs["validation_split"] = 0.0
+    return x, y, sample_weight, batch_size or 32, kwargs
 
 
 def _is_arrays(x) -> bool:
