@@ -358,7 +358,8 @@ def test_models_written_the_ordinary_ways_shard_and_match_one_device(runs):
     # Dict inputs and two outputs (each output's loss logged), a user's layer
     # next to a Lambda with a closure, BatchNormalization over the split
     # batch, an unrolled LSTM: built alike on one device, sharded on
-    # batch=2 x model=2.
+    # batch=2 x model=2; fit with Keras' default shuffle after a seed, and a
+    # validation split.
     rows = rows_of(runs[0]["user_code"])
     assert [r["model"] for r in rows] == [
         "dict_two_outputs", "custom_layer_and_lambda", "batch_norm", "lstm_unrolled"]
@@ -369,7 +370,9 @@ def test_models_written_the_ordinary_ways_shard_and_match_one_device(runs):
         assert row["evaluate_keys"][0] == row["evaluate_keys"][1], row
         assert row["logs_diff"] < 1e-5 and row["evaluate_diff"] < 1e-5, row
         assert row["predict_diff"] < 1e-5, row
-    assert rows[0]["log_keys"][1] == ["cls_accuracy", "cls_loss", "loss", "reg_loss"]
+    assert rows[0]["log_keys"][1] == ["cls_accuracy", "cls_loss", "loss", "reg_loss",
+                                      "val_cls_accuracy", "val_cls_loss", "val_loss",
+                                      "val_reg_loss"]
 
 
 def test_epoch_iterators_are_torn_down_off_the_training_thread_when_safe(runs):
