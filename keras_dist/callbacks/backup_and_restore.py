@@ -627,8 +627,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._cursor = context.cursor if context is not None else (
             _data.DataCursor("unknown", persistent=False)
         )
-        # A DistributedModel's or ShardedModel's fit chose the backup just before (it needs
-        # the shuffle seed first); any other fit chooses now, from the disk.
+        # A DistributedModel's or ShardedModel's fit chose the backup just
+        # before (it needs the shuffle seed first); a plain Keras fit
+        # chooses now, from the disk.
         state = self._select(
             _collectives.group_of(self.model), fresh=context is None
         )
