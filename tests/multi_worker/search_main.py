@@ -2,7 +2,8 @@
 
 Usage: search_main.py OUT_DIR [key=value ...]
 Keys: trials, retries, overwrite (1/0), die (a tuner id), die_at (its Nth
-trial), stall (a tuner id that hangs at its die_at-th trial), sleep
+trial), stall (a tuner id that hangs at its die_at-th trial; the other
+tuner workers start searching once it has started that trial), sleep
 (seconds per trial), worker_timeout.
 Every process appends the trial ids it starts to OUT_DIR/runs-<label>.txt;
 the chief writes OUT_DIR/summary-<n>.json when the search is over.
@@ -84,6 +85,19 @@ tuner = Search(
     heartbeat_interval=0.5,
     worker_timeout=float(opts.get("worker_timeout", 3)),
 )
+if opts.get("stall") and not chief and tuner_id != opts["stall"]:
+    # The other tuner workers ask for trials only once the stalling one
+    # hangs in its die_at-th: however late it started (a loaded machine),
+    # they cannot finish the search before it has run that many.
+    import glob
+
+    def stalled_runs():
+        return sum(len(open(path).read().split())
+                   for path in glob.glob(os.path.join(out_dir, f"runs-{opts['stall']}-*.txt")))
+
+    deadline = time.monotonic() + 300
+    while stalled_runs() < int(opts.get("die_at", 2)) and time.monotonic() < deadline:
+        time.sleep(0.1)
 start = time.monotonic()
 tuner.search(x, y, epochs=2, batch_size=16, verbose=0)
 if chief:
