@@ -874,6 +874,38 @@ def user_code(mesh):
         }), flush=True)
 
 
+def summed_validation(mesh):
+    """A loss summed per batch (its logged mean depends on how the data is
+    batched) with Keras' default shuffle after a seed and 40 rows of
+    in-memory validation data: validated in fit's batches of 8, as Keras
+    validates them (one JSON line: the largest difference of each logged
+    number from one device's)."""
+    rs = np.random.RandomState(0)
+    x, y = rs.randn(48, 6).astype("float32"), rs.randn(48, 1).astype("float32")
+
+    def builder():
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(32, activation="relu"),
+                                  keras.layers.Dense(16), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.002),
+                      keras.losses.MeanSquaredError(reduction="sum"), metrics=["mae"])
+        return model
+
+    histories = {}
+    for name, model in (("reference", builder()),
+                        ("sharded", kd.shard(builder(), mesh,
+                                             kd.LayoutMapper(mesh, min_elements=0)))):
+        keras.utils.set_random_seed(5)
+        histories[name] = model.fit(x, y, batch_size=8, epochs=2, verbose=0,
+                                    validation_data=(x[:40], y[:40])).history
+    expected, got = histories["reference"], histories["sharded"]
+    print(json.dumps({
+        "keys": [sorted(expected), sorted(got)],
+        "diff": {k: float(np.max(np.abs(np.array(got[k]) - np.array(expected[k]))))
+                 for k in expected if k in got},
+    }), flush=True)
+
+
 def iterators(mesh):
     """Keras' per-epoch iterators of a sharded fit: a Python generator's torn
     down where Keras drops it (on another thread its teardown can hang), a
@@ -1254,6 +1286,8 @@ def run(mode, mesh, args):
         keras_layout_map(mesh)
     elif mode == "user_code":
         user_code(mesh)
+    elif mode == "summed_validation":
+        summed_validation(mesh)
     elif mode == "loss_matrix":
         # loss_matrix MESH [write:DIR|read:DIR]
         with_references(args, lambda **kw: loss_matrix(mesh, **kw), lambda: loss_matrix(mesh))

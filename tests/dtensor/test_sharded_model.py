@@ -66,6 +66,7 @@ def runs(tmp_path_factory):
                    f"loss_matrix=write:{references}", "fully_sharded=2", "iterators"],
         "batch2_model2": [sys.executable, SCRIPT, "steps", "batch2_model2", f"save={saved}",
                           f"golden=read:{references}", "layout_map", "user_code",
+                          "summed_validation",
                           f"loss_matrix=read:{references}", f"callbacks={callbacks}",
                           f"errors={errors}"],
         "model4": [sys.executable, SCRIPT, "steps", "model4", f"golden=read:{references}",
@@ -373,6 +374,16 @@ def test_models_written_the_ordinary_ways_shard_and_match_one_device(runs):
     assert rows[0]["log_keys"][1] == ["cls_accuracy", "cls_loss", "loss", "reg_loss",
                                       "val_cls_accuracy", "val_cls_loss", "val_loss",
                                       "val_reg_loss"]
+
+
+def test_validation_is_batched_as_keras_batches_it(runs):
+    # A loss summed per batch logs another val_loss with another batching:
+    # shuffled arrays (Keras' default, after a seed) and 40 validation rows
+    # in fit's batches of 8 on batch=2 x model=2, every number one device's
+    # (validated in batches of 32 they were 17.4 away).
+    [row] = rows_of(runs[0]["summed_validation"])
+    assert row["keys"][0] == row["keys"][1] == ["loss", "mae", "val_loss", "val_mae"], row
+    assert max(row["diff"].values()) < 1e-5, row
 
 
 def test_epoch_iterators_are_torn_down_off_the_training_thread_when_safe(runs):
